@@ -1,0 +1,222 @@
+"""Compare two TorchTitan training logs of the same TOML: stock MoE against mega_moe.
+
+    python scripts/ab_report.py --stock stock.log --mega-moe mega_moe.log [--window 6-20] [--out DIR]
+
+Reads TorchTitan 0.2.2's per-step line (colour codes and torchrun's ``[rankN]:`` prefix
+allowed; log_freq must be 1 over the window)
+
+    [titan] 2025-01-01 12:00:00,123 - root - INFO - step:  7  loss:  5.12345  grad_norm:  1.2345
+    memory: 40.12GiB(29.50%)  tps: 7,886  tflops: 123.45  mfu: 12.34%
+
+and prints a markdown table: mean step time (the gap between consecutive step lines'
+timestamps) and tokens/s/GPU (TorchTitan's tps) over the window, peak reserved memory,
+final loss, speedup and the largest per-step loss difference. Writes ab.json,
+ab.md and loss.png (when matplotlib is installed) to the output folder.
+"""
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RANK = re.compile(r"\[rank(\d+)\]:")
+_TIMESTAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+# "validate step:" lines have no grad_norm, so they never match.
+_STEP = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
+    r"memory:\s*(?P<memory_gib>[\d.]+)GiB\([\d.]+%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
+    r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%"
+)
+_TOTAL_STEPS = re.compile(r"total steps (\d+)")
+
+
+class LogError(ValueError):
+    """A log that cannot be compared (missing steps, no step lines)."""
+
+
+@dataclass
+class Step:
+    step: int
+    time: float  # seconds since the epoch, from the log line's timestamp
+    loss: float
+    grad_norm: float
+    memory_gib: float  # TorchTitan's peak reserved memory since the previous log line
+    tps: float  # tokens per second per GPU, as TorchTitan computes it
+
+
+@dataclass
+class Run:
+    name: str
+    steps: dict[int, Step]
+    configured_steps: int | None  # training.steps, from the "Trainer is initialized" line
+
+
+def parse_log(text: str, name: str) -> Run:
+    """Collect the per-step lines of the lowest rank that logged any."""
+    by_rank: dict[int, dict[int, Step]] = {}
+    configured_steps = None
+    for raw in text.splitlines():
+        line = _ANSI.sub("", raw)
+        if configured_steps is None and (total := _TOTAL_STEPS.search(line)):
+            configured_steps = int(total.group(1))
+        match = _STEP.search(line)
+        if not match:
+            continue
+        stamp = _TIMESTAMP.search(line)
+        if not stamp:
+            raise LogError(f"{name}: step line without a [titan] timestamp: {line.strip()!r}")
+        rank = _RANK.search(line)
+        steps = by_rank.setdefault(int(rank.group(1)) if rank else 0, {})
+        step = int(match["step"])
+        steps.setdefault(step, Step(
+            step=step,
+            time=datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(),
+            loss=float(match["loss"]),
+            grad_norm=float(match["grad_norm"]),
+            memory_gib=float(match["memory_gib"]),
+            tps=float(match["tps"].replace(",", "")),
+        ))
+    if not by_rank:
+        raise LogError(f"{name}: no training step lines found (did the run start?)")
+    return Run(name, by_rank[min(by_rank)], configured_steps)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("-")
+    if not sep or not first.isdigit() or not last.isdigit() or not 2 <= int(first) <= int(last):
+        raise argparse.ArgumentTypeError(
+            f"window {text!r}: expected FIRST-LAST with 2 <= FIRST <= LAST, e.g. 6-20 "
+            "(step FIRST-1 is needed to time step FIRST)"
+        )
+    return int(first), int(last)
+
+
+def summarize(run: Run, window: tuple[int, int]) -> dict:
+    first, last = window
+    needed = range(first - 1, last + 1)
+    missing = [s for s in needed if s not in run.steps]
+    if missing:
+        logged = f"steps {min(run.steps)}-{max(run.steps)}"
+        if run.configured_steps is not None and run.configured_steps < last:
+            why = f"it was configured with training.steps = {run.configured_steps}"
+        elif max(run.steps) < last:
+            why = f"it stopped after step {max(run.steps)}"
+        else:
+            why = "steps are missing (metrics.log_freq must be 1)"
+        raise LogError(
+            f"{run.name}: the window {first}-{last} needs steps {first - 1}-{last}, but the log "
+            f"has {logged}: {why}. Train at least {last} steps or pass a smaller window."
+        )
+    step_times = [run.steps[s].time - run.steps[s - 1].time for s in range(first, last + 1)]
+    final = run.steps[max(run.steps)]
+    return {
+        "step_time_s": sum(step_times) / len(step_times),
+        # Every step has the same token count, so the window's throughput is the harmonic mean.
+        "tokens_per_s_per_gpu": len(step_times) / sum(1 / run.steps[s].tps for s in range(first, last + 1)),
+        "peak_memory_gib": max(s.memory_gib for s in run.steps.values()),
+        "final_step": final.step,
+        "final_loss": final.loss,
+    }
+
+
+def compare(stock: Run, mega: Run, window: tuple[int, int]) -> dict:
+    summaries = {run.name: summarize(run, window) for run in (stock, mega)}
+    common = sorted(set(stock.steps) & set(mega.steps))
+    differences = {s: abs(stock.steps[s].loss - mega.steps[s].loss) for s in common}
+    # A NaN difference (a diverged run) counts as the worst.
+    worst = max(differences, key=lambda s: (math.isnan(differences[s]), differences[s]))
+    return {
+        "window": list(window),
+        "runs": summaries,
+        "speedup": summaries[stock.name]["step_time_s"] / summaries[mega.name]["step_time_s"],
+        "max_abs_loss_diff": differences[worst],
+        "max_abs_loss_diff_step": worst,
+        "loss": {run.name: {s: st.loss for s, st in sorted(run.steps.items())} for run in (stock, mega)},
+    }
+
+
+def markdown(result: dict) -> str:
+    first, last = result["window"]
+    rows = [
+        f"| run | step time (ms), steps {first}-{last} | tokens/s/GPU | peak reserved memory (GiB) | final loss |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, s in result["runs"].items():
+        rows.append(
+            f"| {name} | {1000 * s['step_time_s']:.1f} | {s['tokens_per_s_per_gpu']:,.0f} | "
+            f"{s['peak_memory_gib']:.2f} | {s['final_loss']:.4f} (step {s['final_step']}) |"
+        )
+    rows += [
+        "",
+        f"Speedup (stock step time / mega_moe step time): **{result['speedup']:.3f}x**  ",
+        f"Max |loss difference| per step: {result['max_abs_loss_diff']:.4g} "
+        f"(step {result['max_abs_loss_diff_step']})",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def plot_loss(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("loss.png skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")  # no display on training hosts
+    import matplotlib.pyplot as plt
+
+    fig, (ax, diff_ax) = plt.subplots(
+        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    losses = result["loss"]
+    for name, curve in losses.items():
+        ax.plot(list(curve), list(curve.values()), label=name, marker=".")
+    ax.set_ylabel("loss")
+    ax.set_title(f"speedup {result['speedup']:.2f}x, max |loss diff| {result['max_abs_loss_diff']:.3g}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    # The curves usually overlap; their difference shows what the top panel hides.
+    stock, mega = losses["stock"], losses["mega_moe"]
+    common = sorted(set(stock) & set(mega))
+    diff_ax.plot(common, [mega[s] - stock[s] for s in common], color="black", marker=".")
+    diff_ax.axhline(0.0, color="gray", linewidth=0.8)
+    diff_ax.set_xlabel("step")
+    diff_ax.set_ylabel("mega_moe - stock")
+    diff_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stock", type=Path, required=True, help="log of the stock run")
+    parser.add_argument("--mega-moe", type=Path, required=True, help="log of the mega_moe run")
+    parser.add_argument("--window", type=parse_window, default=(6, 20),
+                        help="steps FIRST-LAST to average step time and throughput over (default 6-20)")
+    parser.add_argument("--out", type=Path, help="output folder (default: the mega_moe log's folder)")
+    args = parser.parse_args()
+    out = args.out or args.mega_moe.parent
+
+    try:
+        stock = parse_log(args.stock.read_text(errors="replace"), "stock")
+        mega = parse_log(args.mega_moe.read_text(errors="replace"), "mega_moe")
+        result = compare(stock, mega, args.window)
+    except LogError as error:
+        sys.exit(f"ab_report: {error}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(result)
+    print(table, end="")
+    (out / "ab.md").write_text(table)
+    (out / "ab.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_loss(result, out / "loss.png")
+    print(f"wrote {out / 'ab.md'}, {out / 'ab.json'}")
+
+
+if __name__ == "__main__":
+    main()

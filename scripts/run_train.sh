@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Launch TorchTitan training the way TorchTitan's own run_train.sh does.
+#
+#   CONFIG_FILE=train_configs/debug_moe_mega_moe.toml NGPU=2 ./scripts/run_train.sh [--section.key value ...]
+#
+# CONFIG_FILE  TOML to train with; a path relative to the current directory or to the repo root
+#              (default: train_configs/debug_moe_mega_moe.toml)
+# NGPU         processes (GPUs) on this node (default: 8)
+# LOG_RANK     comma-separated local ranks whose output is shown (default: 0)
+# Extra arguments override TOML fields, e.g. --training.steps 10 --model.converters=mega_moe
+set -euo pipefail
+
+# Resolve the TOML before leaving the caller's directory.
+CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_moe_mega_moe.toml}
+if [[ -f "$CONFIG_FILE" ]]; then
+    CONFIG_FILE=$(realpath "$CONFIG_FILE")
+fi
+NGPU=${NGPU:-8}
+LOG_RANK=${LOG_RANK:-0}
+
+# The TOMLs name repo-relative assets (the tokenizer) and TorchTitan imports titan_megamoe from here.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# NVLink multicast stays off: the EP transport uses peer memory only.
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+
+set -x
+torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -1,0 +1,57 @@
+"""Run a function on N gloo ranks in fresh processes, with a deadline.
+
+A rank's exception fails the calling test with that rank's traceback; a rank that
+hangs (a missed collective) fails it after ``timeout_s`` instead of blocking CI.
+"""
+
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from titan_megamoe import cpu_compat
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    cpu_compat.apply()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int = 2, *args, timeout_s: float = 600.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+    context = mp.start_processes(
+        _entry,
+        args=(world_size, _free_port(), fn, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    # join() returns False whenever one rank ends while others still run.
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks in {timeout_s:.0f} s")
+

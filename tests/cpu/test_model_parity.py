@@ -1,0 +1,235 @@
+"""Converted vs stock qwen3 ``debugmodel_moe``, parallelized by TorchTitan's own
+``parallelize_qwen3`` on two gloo ranks: outputs, loss, every gradient, load-balance
+counts, state-dict layout and checkpoints in both directions."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ranks import run_ranks
+
+TOLERANCE = 1e-5
+BATCH, SEQ = 2, 32
+
+
+def rel_err(a, b):
+    assert torch.isfinite(a).all(), "NaN/Inf in result"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def job_config(layout: str, converters: list[str]):
+    from torchtitan.config import ConfigManager
+
+    degrees = {"fsdp_ep": ("2", "1"), "tp_ep": ("1", "2")}[layout]  # (fsdp, tp)
+    return ConfigManager().parse_args(
+        [
+            "--job.custom_config_module=titan_megamoe.config",
+            "--model.name=qwen3",
+            "--model.flavor=debugmodel_moe",
+            f"--training.seq_len={SEQ}",
+            "--training.mixed_precision_param=float32",
+            "--activation_checkpoint.mode=none",
+            "--parallelism.expert_parallel_degree=2",
+            f"--parallelism.data_parallel_shard_degree={degrees[0]}",
+            f"--parallelism.tensor_parallel_degree={degrees[1]}",
+            "--parallelism.disable_loss_parallel",
+        ]
+        + (["--model.converters", *converters] if converters else [])
+    )
+
+
+def model_args(score_before: bool):
+    from torchtitan.models.qwen3 import qwen3_args
+
+    base = qwen3_args["debugmodel_moe"]
+    # The stock grouped-MM path computes in bf16 whatever the dtype; its for-loop path
+    # computes in fp32, which a 1e-5 comparison needs.
+    moe_args = dataclasses.replace(
+        base.moe_args, use_grouped_mm=False, score_before_experts=score_before
+    )
+    return dataclasses.replace(base, n_layers=2, moe_args=moe_args, max_seq_len=SEQ)
+
+
+def build(layout: str, score_before: bool, convert: bool, state: dict | None):
+    """A parallelized model; returns (model, its job config)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
+
+    from titan_megamoe import cpu_compat
+    from titan_megamoe.converter import MegaMoEConverter
+
+    job = job_config(layout, ["mega_moe"] if convert else [])
+    p = job.parallelism
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=p.data_parallel_shard_degree, cp=1,
+        tp=p.tensor_parallel_degree, pp=1, ep=2, etp=1, world_size=2,
+    )
+    dims.build_mesh()
+    torch.manual_seed(0)
+    model = Qwen3Model(model_args(score_before))
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    if state is not None:
+        model.load_state_dict(state)
+    if convert:
+        MegaMoEConverter(job, dims).convert(model)
+    parallelize_qwen3(model, dims, job)
+    cpu_compat.force_sum_reduction(model)
+    return model
+
+
+def _parity_rank(rank, world_size, layout, score_before, checkpoint_dir):
+    from titan_megamoe.layer import MegaMoE
+
+    stock = build(layout, score_before, convert=False, state=None)
+    state = {k: full(v).clone() for k, v in stock.state_dict().items()}
+    converted = build(layout, score_before, convert=True, state=state)
+    assert sum(isinstance(m, MegaMoE) for m in converted.modules()) == 2
+
+    # State dict: same keys, shapes and placements both ways.
+    stock_sd, converted_sd = stock.state_dict(), converted.state_dict()
+    assert list(stock_sd) == list(converted_sd), set(stock_sd) ^ set(converted_sd)
+    for key in stock_sd:
+        a, b = stock_sd[key], converted_sd[key]
+        assert a.shape == b.shape, key
+        assert type(a) is type(b), key
+        if isinstance(a, DTensor):
+            assert a.placements == b.placements, key
+            assert a.device_mesh.mesh_dim_names == b.device_mesh.mesh_dim_names, key
+
+    # Forward, loss and every gradient. With TP the ranks of a TP group see the same
+    # batch; with FSDP each rank has its own.
+    data_rank = rank if layout == "fsdp_ep" else 0
+    g = torch.Generator().manual_seed(10 + data_rank)
+    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, 2048, (BATCH, SEQ), generator=g)
+    results = {}
+    for name, model in (("stock", stock), ("converted", converted)):
+        logits = full(model(tokens))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        results[name] = (logits.detach(), loss.detach())
+    assert rel_err(results["converted"][0], results["stock"][0]) < TOLERANCE
+    assert rel_err(results["converted"][1], results["stock"][1]) < TOLERANCE
+
+    stock_params = dict(stock.named_parameters())
+    checked = 0
+    for name, p in converted.named_parameters():
+        g_conv, g_stock = full(p.grad), full(stock_params[name].grad)
+        assert g_stock.abs().max() > 0, f"{name} got no gradient in the stock model"
+        assert rel_err(g_conv, g_stock) < TOLERANCE, name
+        checked += "experts" in name or "router" in name
+    assert checked == 2 * 4  # w1, w2, w3 and the router gate of both layers
+
+    stock_buffers = dict(stock.named_buffers())
+    for name, b in converted.named_buffers():
+        if name.endswith("tokens_per_expert"):
+            assert b.sum() == BATCH * SEQ * 8  # every routed slot (top-8) counted once
+            assert torch.equal(b, stock_buffers[name]), name
+
+    # Checkpoints: stock -> converted, then converted -> stock.
+    originals = {k: full(v).clone() for k, v in stock.state_dict().items()}
+    dcp.save(stock.state_dict(), checkpoint_id=f"{checkpoint_dir}/stock")
+    with torch.no_grad():
+        for p in converted.parameters():
+            p.add_(1.0)
+    converted_sd = converted.state_dict()
+    dcp.load(converted_sd, checkpoint_id=f"{checkpoint_dir}/stock")
+    for key, value in converted.state_dict().items():
+        assert torch.equal(full(value), originals[key]), key
+
+    with torch.no_grad():
+        for p in converted.parameters():
+            p.mul_(0.5)
+    dcp.save(converted.state_dict(), checkpoint_id=f"{checkpoint_dir}/converted")
+    stock_sd = stock.state_dict()
+    dcp.load(stock_sd, checkpoint_id=f"{checkpoint_dir}/converted")
+    converted_now = {k: full(v) for k, v in converted.state_dict().items()}
+    for key, value in stock.state_dict().items():
+        assert torch.equal(full(value), converted_now[key]), key
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_converted_matches_stock_fsdp_ep(score_before, tmp_path):
+    run_ranks(_parity_rank, 2, "fsdp_ep", score_before, str(tmp_path), timeout_s=600)
+
+
+# --------------------------------------------------------------------------------------
+# TP on the dense parts with EP borrowing the TP ranks: TorchTitan's apply_moe_ep_tp
+# all-gathers the layer input over TP, splits the routed tokens across the TP ranks
+# (ReordererSequenceParallel on moe.reorderer) and reduce-scatters the output. Tested on
+# the MoE layer alone: DTensor cannot shard CPU attention, so the whole model cannot run
+# TP on gloo.
+# --------------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    moe_enabled = True
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+
+class _Blocks(torch.nn.Module):
+    """The part of a TorchTitan model that apply_moe_ep_tp walks."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": _Block(moe)})
+
+
+def _tp_layer_rank(rank, world_size, score_before):
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
+    from torchtitan.models.moe import MoE
+
+    from titan_megamoe.converter import MegaMoEConverter
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=2, etp=1, world_size=2)
+    dims.build_mesh()
+    args = dataclasses.replace(
+        model_args(score_before).moe_args, num_experts=8, top_k=3, num_shared_experts=1
+    )
+    layers = {}
+    for name, convert in (("stock", False), ("converted", True)):
+        torch.manual_seed(0)
+        moe = MoE(args, dim=64, hidden_dim=32)
+        with torch.no_grad():
+            moe.init_weights(init_std=0.02, buffer_device=torch.device("cpu"))
+        blocks = _Blocks(moe)
+        if convert:
+            MegaMoEConverter(job_config("tp_ep", ["mega_moe"]), dims).convert(blocks)
+        apply_moe_ep_tp(
+            blocks, tp_mesh=dims.get_mesh("tp"), ep_mesh=dims.get_mesh("ep"),
+            etp_mesh=None, ep_etp_mesh=None,
+        )
+        layers[name] = blocks.layers["0"].moe
+
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(6))
+    local = slice(rank * 8, (rank + 1) * 8)  # this rank's sequence shard
+    outputs = {}
+    for name, moe in layers.items():
+        x_local = x[:, local].clone().requires_grad_(True)
+        y = moe(x_local)  # this rank's sequence shard of the output
+        y.backward(dy[:, local])
+        outputs[name] = (y.detach(), x_local.grad)
+    for a, b in zip(outputs["converted"], outputs["stock"]):
+        assert rel_err(a, b) < TOLERANCE
+    stock_params = dict(layers["stock"].named_parameters())
+    for name, p in layers["converted"].named_parameters():
+        assert rel_err(full(p.grad), full(stock_params[name].grad)) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_converted_layer_matches_stock_tp_ep(score_before):
+    run_ranks(_tp_layer_rank, 2, score_before, timeout_s=300)

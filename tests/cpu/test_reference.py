@@ -1,0 +1,246 @@
+"""The operator's reference backend against a float64 per-slot formula, on 1 and 2 ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ranks import run_ranks
+from titan_megamoe.ops import mega_moe
+from titan_megamoe.reference import quantize_operand
+from titan_megamoe.precision import E4M3_MAX, FP8_BLOCK, MXFP8, NATIVE
+
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 48, 8, 3
+
+
+def naive_moe(x, idx, w, w1, w2, w3, score_before):
+    """y[t] = sum_j w W2 (silu(W1 x) * W3 x) slot by slot, in whatever dtype it is given."""
+    xin = x.unsqueeze(1).expand(-1, idx.shape[1], -1)
+    if score_before:
+        xin = xin * w.unsqueeze(2)
+    a = torch.einsum("tkih,tkh->tki", w1[idx], xin)
+    b = torch.einsum("tkih,tkh->tki", w3[idx], xin)
+    out = torch.einsum("tkhi,tki->tkh", w2[idx], F.silu(a) * b)
+    if not score_before:
+        out = out * w.unsqueeze(2)
+    return out.sum(1)
+
+
+def make_routing(kind: str, num_tokens: int, generator) -> torch.Tensor:
+    """[T, k] expert ids with distinct experts per token, for a routing scenario."""
+    if kind == "random":
+        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
+    elif kind == "skewed":  # experts 0-2 take almost everything, 5-7 get nothing
+        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
+        scores[:, :3] += 2.0
+        scores[:, 5:] -= 2.0
+    elif kind == "first_rank_only":  # every slot lands on the first half of the experts
+        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
+        scores[:, EXPERTS // 2 :] -= 2.0
+    else:
+        raise ValueError(kind)
+    return scores.topk(TOP_K, dim=1).indices
+
+
+def make_problem(num_tokens: int, routing: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    idx = make_routing(routing, num_tokens, g)
+    w = torch.softmax(torch.randn(num_tokens, TOP_K, generator=g), dim=1)
+    return x, idx, w
+
+
+def make_weights(seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER**0.5
+    w3 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    return w1, w2, w3
+
+
+def rel_err(a, b):
+    assert torch.isfinite(a).all(), "NaN/Inf in result"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run_op(x, idx, w, w1, w2, w3, group, score_before, precision, dy):
+    """Forward + backward through the custom op; returns y and all gradients."""
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
+    xl, wl, w1l, w2l, w3l = leaves
+    y, counts = mega_moe(
+        xl, idx, wl, w1l, w2l, w3l, group,
+        score_before_experts=score_before, precision=precision, backend="reference",
+    )
+    y.backward(dy)
+    return y.detach(), counts, [t.grad for t in leaves]
+
+
+def run_naive(x, idx, w, w1, w2, w3, score_before, dy):
+    leaves = [t.double().requires_grad_(True) for t in (x, w, w1, w2, w3)]
+    xl, wl, w1l, w2l, w3l = leaves
+    y = naive_moe(xl, idx, wl, w1l, w2l, w3l, score_before)
+    y.backward(dy.double())
+    return y.detach(), [t.grad for t in leaves]
+
+
+NAMES = ("dx", "d_topk_w", "dw1", "dw2", "dw3")
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_single_rank_matches_formula(score_before, routing):
+    x, idx, w = make_problem(37, routing, seed=0)
+    w1, w2, w3 = make_weights()
+    dy = torch.randn_like(x)
+    y, counts, grads = run_op(x, idx, w, w1, w2, w3, None, score_before, "bf16", dy)
+    y_ref, grads_ref = run_naive(x, idx, w, w1, w2, w3, score_before, dy)
+    assert rel_err(y, y_ref) < 1e-5
+    for name, g, g_ref in zip(NAMES, grads, grads_ref):
+        assert rel_err(g, g_ref) < 1e-5, name
+    assert torch.equal(counts, torch.bincount(idx.flatten(), minlength=EXPERTS))
+
+
+@pytest.mark.parametrize("score_before", [False, True])
+def test_gradcheck_float64(score_before):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    w1, w3 = (torch.randn(EXPERTS, 8, 16, generator=g, dtype=torch.float64) / 4 for _ in range(2))
+    w2 = torch.randn(EXPERTS, 16, 8, generator=g, dtype=torch.float64) / 3
+    idx = make_routing("random", 5, g)
+    topk_w = torch.softmax(torch.randn(5, TOP_K, generator=g), dim=1)  # fp32 by contract
+
+    def fn(x_, w1_, w2_, w3_):
+        return mega_moe(
+            x_, idx, topk_w, w1_, w2_, w3_, None,
+            score_before_experts=score_before, precision="bf16", backend="reference",
+        )[0]
+
+    inputs = tuple(t.requires_grad_(True) for t in (x, w1, w2, w3))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+# e4m3 keeps 3 mantissa bits: one quantized operand is off by ~2.6% (Frobenius, random
+# data), and an output that went through two chained quantized GEMMs by 6.2% (fp8) to
+# 6.9% (mxfp8, power-of-two scales). 8e-2 bounds that with margin; 6e-2 would reject the
+# formats themselves.
+LOW_PRECISION_TOLERANCE = 8e-2
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16"])
+def test_low_precision_within_tolerance(precision):
+    tolerance = LOW_PRECISION_TOLERANCE
+    x, idx, w = make_problem(300, "random", seed=5)
+    w1, w2, w3 = make_weights()
+    dy = torch.randn_like(x)
+    y, _, grads = run_op(x, idx, w, w1, w2, w3, None, False, precision, dy)
+    y_ref, _, grads_ref = run_op(x, idx, w, w1, w2, w3, None, False, "bf16", dy)
+    errors = [rel_err(y, y_ref)] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+    assert max(errors) <= tolerance, dict(zip(("y",) + NAMES, errors))
+    # The format must really have been applied where the precision says so.
+    forward_quantized = precision in ("fp8", "mxfp8", "mxfp8_wgrad_bf16")
+    assert (errors[0] > 1e-4) == forward_quantized
+    assert errors[3] > 1e-4  # dw1 always goes through a quantized dgrad or wgrad GEMM
+
+
+def test_formats_store_representable_values():
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(5, 300, generator=g) * torch.logspace(-3, 3, 300)
+    assert torch.equal(quantize_operand(t, NATIVE, is_weight=False), t)
+    for fmt, block in ((FP8_BLOCK, 128), (MXFP8, 32)):
+        q = quantize_operand(t, fmt, is_weight=False)
+        assert rel_err(q, t) < 6e-2
+        # Each block holds at most 2^8 distinct magnitudes times one scale: the ratio of
+        # every value to its block's largest stays an e4m3 value over e4m3's max.
+        for start in range(0, 300, block):
+            blk = q[:, start : start + block]
+            amax = blk.abs().amax(dim=1, keepdim=True)
+            if fmt == MXFP8:
+                scale = torch.exp2(torch.ceil(torch.log2(t[:, start : start + block].abs().amax(1, keepdim=True) / E4M3_MAX)))
+                assert (amax / scale <= E4M3_MAX).all()
+                assert torch.equal((blk / scale).to(torch.float8_e4m3fn).float() * scale, blk)
+
+
+def test_fp8_weight_tiles_are_128x128():
+    w = torch.randn(256, 256)
+    w[:128, :128] *= 1000.0  # one loud tile must not coarsen its neighbours
+    q = quantize_operand(w, FP8_BLOCK, is_weight=True)
+    assert rel_err(q[128:, 128:], w[128:, 128:]) < 6e-2
+    assert rel_err(q[:128, 128:], w[:128, 128:]) < 6e-2
+
+
+# --------------------------------------------------------------------------------------
+# Two gloo ranks: each rank's result must equal the formula over all experts.
+# --------------------------------------------------------------------------------------
+
+TOKENS_PER_RANK = {"random": (29, 41), "skewed": (64, 3), "first_rank_only": (17, 1)}
+
+
+def _ep_rank(rank, world_size, routing, score_before, precision, tolerance):
+    group = dist.group.WORLD
+    local = EXPERTS // world_size
+    w1, w2, w3 = make_weights()
+    problems = [make_problem(n, routing, seed=100 + r) for r, n in enumerate(TOKENS_PER_RANK[routing])]
+    dys = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(200 + r))
+           for r, n in enumerate(TOKENS_PER_RANK[routing])]
+    x, idx, w = problems[rank]
+    shard = slice(rank * local, (rank + 1) * local)
+
+    y, counts, grads = run_op(
+        x, idx, w, w1[shard], w2[shard], w3[shard], group, score_before, precision, dys[rank]
+    )
+    # The formula over every rank's tokens: weight gradients sum over all of them.
+    all_x, all_idx, all_w = (torch.cat(parts) for parts in zip(*problems))
+    y_ref, grads_ref = run_naive(all_x, all_idx, all_w, w1, w2, w3, score_before, torch.cat(dys))
+    mine = slice(sum(TOKENS_PER_RANK[routing][:rank]), sum(TOKENS_PER_RANK[routing][: rank + 1]))
+    assert rel_err(y, y_ref[mine]) < tolerance
+    expected = [grads_ref[0][mine], grads_ref[1][mine]] + [g[shard] for g in grads_ref[2:]]
+    for name, g, g_ref in zip(NAMES, grads, expected):
+        if g_ref.abs().max() == 0:  # a rank whose experts got no rows
+            assert torch.equal(g, torch.zeros_like(g)), name
+        else:
+            assert rel_err(g, g_ref) < tolerance, name
+    assert torch.equal(counts, torch.bincount(all_idx.flatten(), minlength=EXPERTS)[shard])
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed", "first_rank_only"])
+@pytest.mark.parametrize("score_before", [False, True])
+def test_two_ranks_match_formula(routing, score_before):
+    run_ranks(_ep_rank, 2, routing, score_before, "bf16", 1e-5)
+
+
+def test_two_ranks_fp8_within_tolerance():
+    run_ranks(_ep_rank, 2, "random", False, "fp8", LOW_PRECISION_TOLERANCE)
+
+
+# --------------------------------------------------------------------------------------
+# Input errors.
+# --------------------------------------------------------------------------------------
+
+
+def _call(**overrides):
+    x, idx, w = make_problem(4, "random", seed=0)
+    w1, w2, w3 = make_weights()
+    args = dict(x=x, topk_idx=idx, topk_w=w, w1=w1, w2=w2, w3=w3, group=None)
+    options = dict(score_before_experts=False, precision="bf16", backend="reference")
+    for key, value in overrides.items():
+        (args if key in args else options)[key] = value
+    return mega_moe(*args.values(), **options)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(x=torch.randn(4, 2, HIDDEN)), "x must be"),
+        (dict(topk_idx=torch.zeros(3, TOP_K, dtype=torch.long)), "topk_idx must be"),
+        (dict(topk_idx=torch.zeros(4, TOP_K)), "int32 or int64"),
+        (dict(topk_w=torch.ones(4, TOP_K, dtype=torch.float64)), "topk_w must be float32"),
+        (dict(w2=torch.randn(EXPERTS, INTER, HIDDEN)), "w2 must have shape"),
+        (dict(topk_idx=torch.full((4, TOP_K), EXPERTS)), f"expert id {EXPERTS}, outside"),
+        (dict(precision="fp4"), "unknown precision 'fp4'"),
+        (dict(backend="fused"), "backend = 'fused'"),
+        (dict(backend="magic"), "backend = 'magic' is unknown"),
+    ],
+)
+def test_input_errors_name_the_bad_value(overrides, message):
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        _call(**overrides)

@@ -1,0 +1,197 @@
+"""The MoE operator as ``torch.library`` custom ops, with an explicit backward.
+
+``mega_moe(...)`` is the entry point: it checks its inputs, then calls
+``torch.ops.titan_megamoe.moe_forward``, whose autograd formula calls
+``torch.ops.titan_megamoe.moe_backward``. Both dispatch to a backend by name, so the
+choice travels through ``torch.compile`` and activation checkpointing as a plain string,
+and the forward op can be put in a selective-checkpointing save list
+(``SAVE_LIST_OPS``) so that recomputation never repeats its transfers.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from titan_megamoe import reference
+from titan_megamoe.precision import get_precision
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the operator."""
+
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, ...]]
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(reference.moe_forward, reference.moe_backward),
+}
+"""Available implementations, by name."""
+
+UNAVAILABLE_BACKENDS = {
+    "fused": "the fused Triton backend is not part of this release yet; "
+    "use backend = 'reference' (or 'auto')",
+}
+"""Backends that can be named but cannot run here, with the reason."""
+
+
+def resolve_backend(requested: str, device: torch.device) -> tuple[str, str]:
+    """The backend to run for ``requested`` on ``device``, and why (for the log).
+
+    Raises if ``requested`` names a backend that cannot run.
+    """
+    if requested == "auto":
+        reasons = "; ".join(f"{name}: {why}" for name, why in UNAVAILABLE_BACKENDS.items())
+        return "reference", f"auto on {device.type} ({reasons})"
+    if requested in UNAVAILABLE_BACKENDS:
+        raise NotImplementedError(
+            f"[mega_moe] backend = {requested!r}: {UNAVAILABLE_BACKENDS[requested]}"
+        )
+    if requested not in BACKENDS:
+        raise ValueError(
+            f"[mega_moe] backend = {requested!r} is unknown; known backends: "
+            + ", ".join(["auto", *BACKENDS, *UNAVAILABLE_BACKENDS])
+        )
+    return requested, "asked for"
+
+
+def _group(group_name: str) -> dist.ProcessGroup | None:
+    if not group_name:
+        return None
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("titan_megamoe::moe_forward", mutates_args=())
+def moe_forward(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    group_name: str,
+    score_before_experts: bool,
+    precision: str,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    return BACKENDS[backend].forward(
+        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision
+    )
+
+
+@moe_forward.register_fake
+def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend):
+    return torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64)
+
+
+@torch.library.custom_op("titan_megamoe::moe_backward", mutates_args=())
+def moe_backward(
+    dy: Tensor,
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    group_name: str,
+    score_before_experts: bool,
+    precision: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return BACKENDS[backend].backward(
+        dy, x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision
+    )
+
+
+@moe_backward.register_fake
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend):
+    return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
+
+
+_NON_TENSOR_ARGS = ("group_name", "score_before_experts", "precision", "backend")
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_idx, topk_w, w1, w2, w3, *options = inputs
+    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3)
+    ctx.options = options
+
+
+def _backward(ctx, dy, _d_tokens_per_local_expert):
+    grads = moe_backward(dy.contiguous(), *ctx.saved_tensors, *ctx.options)
+    dx, d_topk_w, dw1, dw2, dw3 = grads
+    return (dx, None, d_topk_w, dw1, dw2, dw3) + (None,) * len(_NON_TENSOR_ARGS)
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+SAVE_LIST_OPS = (torch.ops.titan_megamoe.moe_forward.default,)
+"""Ops whose outputs selective activation checkpointing should save, not recompute."""
+
+
+def _check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden]; got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_idx must be [{num_tokens}, top_k]; got shape {tuple(topk_idx.shape)}"
+        )
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_idx must be int32 or int64; got {topk_idx.dtype}")
+    if topk_w.shape != topk_idx.shape or topk_w.dtype != torch.float32:
+        raise ValueError(
+            f"topk_w must be float32 of shape {tuple(topk_idx.shape)}; "
+            f"got {topk_w.dtype} of shape {tuple(topk_w.shape)}"
+        )
+    if w1.dim() != 3 or w1.shape[2] != hidden:
+        raise ValueError(f"w1 must be [local_experts, inter, {hidden}]; got {tuple(w1.shape)}")
+    experts, inter, _ = w1.shape
+    expected = {"w3": (w3, (experts, inter, hidden)), "w2": (w2, (experts, hidden, inter))}
+    for name, (w, shape) in expected.items():
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}; got {tuple(w.shape)}")
+    if len({t.device for t in (x, topk_idx, topk_w, w1, w2, w3)}) != 1:
+        raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
+
+
+def mega_moe(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_w: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    score_before_experts: bool,
+    precision: str,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """Routed experts of one MoE layer, expert-parallel over ``group``.
+
+    Args:
+        x: ``[T, H]`` this rank's tokens.
+        topk_idx: ``[T, k]`` global expert ids; expert ``e`` lives on rank ``e // E_local``.
+        topk_w: ``[T, k]`` fp32 router scores (after route_norm / route_scale).
+        w1, w3: ``[E_local, I, H]``; w2: ``[E_local, H, I]`` (TorchTitan's layout).
+        group: the EP process group, or None for a single rank.
+        score_before_experts: scale the expert input by the score instead of the output.
+        precision: a name from ``titan_megamoe.precision.PRECISIONS``.
+        backend: a name from ``BACKENDS``.
+
+    Returns:
+        ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
+    """
+    _check_inputs(x, topk_idx, topk_w, w1, w2, w3)
+    get_precision(precision)
+    if backend not in BACKENDS:
+        resolve_backend(backend, x.device)  # raises with the reason
+    group_name = "" if group is None else group.group_name
+    return torch.ops.titan_megamoe.moe_forward(
+        x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend
+    )

@@ -1,0 +1,291 @@
+"""Pure-PyTorch implementation of the MoE operator: the numerical specification.
+
+Written to be obviously right, not fast. Every other backend is tested against it.
+
+Semantics, per EP rank (``ep`` ranks, ``E = ep * E_local`` experts, expert ``e`` on rank
+``e // E_local``)::
+
+    y[t] = sum_j  topk_w[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t)),   e = topk_idx[t, j]
+
+or, with ``score_before_experts``, the score scales the expert input instead::
+
+    y[t] = sum_j  W2_e (silu(W1_e (w x_t)) * (W3_e (w x_t))),            w = topk_w[t, j]
+
+Numerics (what the fused kernels must reproduce):
+- every GEMM accumulates in fp32; its operands are first quantized and dequantized in
+  the precision's format for that GEMM family (``titan_megamoe.precision``);
+- the tensors a kernel stores between GEMMs (the scaled input, the SwiGLU output ``h``,
+  the expert output rows, ``da``/``db`` in the backward) are rounded to the activation
+  dtype;
+- the k expert rows of a token are reduced in fp32 in slot order j = 0..k-1.
+
+Communication goes through ``torch.distributed.all_to_all_single`` (gloo or NCCL); rows
+travel expert-major, so each rank receives, per source rank, its local experts' rows in
+expert order.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_megamoe.precision import (
+    E4M3_MAX,
+    FP8_BLOCK,
+    FP8_BLOCK_ACTIVATION,
+    FP8_BLOCK_WEIGHT,
+    MX_BLOCK,
+    MXFP8,
+    NATIVE,
+    UE8M0_EXP_MAX,
+    UE8M0_EXP_MIN,
+    get_precision,
+)
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the accumulation dtype: fp32, or the tensor's own if wider (gradcheck)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# Formats: quantize then dequantize, so that an fp32 GEMM sees exactly the stored values.
+# ---------------------------------------------------------------------------------------
+
+
+def _quantize_tiles(t: torch.Tensor, tile: tuple[int, int], power_of_two: bool) -> torch.Tensor:
+    """e4m3 with one fp32 scale per ``tile`` of a 2-D tensor (edge tiles may be partial)."""
+    rows, cols = t.shape
+    tr, tc = tile
+    pad_r, pad_c = (-rows) % tr, (-cols) % tc
+    padded = F.pad(t.float(), (0, pad_c, 0, pad_r))
+    tiles = padded.view((rows + pad_r) // tr, tr, (cols + pad_c) // tc, tc)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    if power_of_two:
+        # UE8M0, rounded up (RCEIL) so that amax / scale <= E4M3_MAX.
+        exponent = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
+        scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+    else:
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale).to(torch.float8_e4m3fn)
+    dequantized = quantized.float() * scale
+    return dequantized.view(rows + pad_r, cols + pad_c)[:rows, :cols]
+
+
+def quantize_operand(t: torch.Tensor, fmt: str, is_weight: bool) -> torch.Tensor:
+    """A GEMM operand ``[rows, K]`` as the kernel sees it, in the accumulation dtype.
+
+    ``is_weight`` selects fp8_block's 128x128 weight tiles over the 1x128 activation tiles;
+    mxfp8 uses 1x32 blocks along K for every operand.
+    """
+    if fmt == NATIVE:
+        return _acc(t)
+    if fmt == FP8_BLOCK:
+        tile = FP8_BLOCK_WEIGHT if is_weight else FP8_BLOCK_ACTIVATION
+        return _quantize_tiles(t, tile, power_of_two=False)
+    if fmt == MXFP8:
+        return _quantize_tiles(t, (1, MX_BLOCK), power_of_two=True)
+    raise ValueError(f"unknown operand format {fmt!r}")
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, fmt: str, b_is_weight: bool) -> torch.Tensor:
+    """``a @ b.T`` in fp32 with both operands ``[*, K]`` quantized along K in ``fmt``."""
+    return quantize_operand(a, fmt, is_weight=False) @ quantize_operand(b, fmt, b_is_weight).T
+
+
+# ---------------------------------------------------------------------------------------
+# Layout: where each (token, slot) row goes, and what each rank receives.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DispatchLayout:
+    """Routing of one rank's rows, agreed with every peer through a count exchange."""
+
+    send_order: torch.Tensor
+    """Flat slot ids ``t * k + j`` sorted by global expert (stable): the order rows leave in."""
+    send_splits: list[int]
+    """Rows sent to each rank."""
+    recv_splits: list[int]
+    """Rows received from each rank."""
+    recv_expert: torch.Tensor
+    """Local expert of each received row (rows arrive by source rank, then expert)."""
+    tokens_per_local_expert: torch.Tensor
+    """Rows received per local expert, summed over source ranks (int64)."""
+
+
+def _ep_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def dispatch_layout(
+    topk_idx: torch.Tensor, num_local_experts: int, group: dist.ProcessGroup | None
+) -> DispatchLayout:
+    ep = _ep_size(group)
+    num_experts = ep * num_local_experts
+    flat_idx = topk_idx.reshape(-1).long()
+    if flat_idx.numel() and (flat_idx.min() < 0 or flat_idx.max() >= num_experts):
+        bad = flat_idx[(flat_idx < 0) | (flat_idx >= num_experts)][0].item()
+        raise ValueError(
+            f"topk_idx holds expert id {bad}, outside [0, {num_experts}) "
+            f"({ep} EP ranks x {num_local_experts} local experts)"
+        )
+    send_order = torch.argsort(flat_idx, stable=True)
+    sent_per_expert = torch.bincount(flat_idx, minlength=num_experts)
+    if group is None:
+        recv_per_expert = sent_per_expert
+    else:
+        recv_per_expert = torch.empty_like(sent_per_expert)
+        dist.all_to_all_single(recv_per_expert, sent_per_expert, group=group)
+    recv_by_rank = recv_per_expert.view(ep, num_local_experts)
+    local_ids = torch.arange(num_local_experts, device=topk_idx.device).repeat(ep)
+    return DispatchLayout(
+        send_order=send_order,
+        send_splits=sent_per_expert.view(ep, num_local_experts).sum(1).tolist(),
+        recv_splits=recv_by_rank.sum(1).tolist(),
+        recv_expert=torch.repeat_interleave(local_ids, recv_per_expert),
+        tokens_per_local_expert=recv_by_rank.sum(0),
+    )
+
+
+def _exchange(
+    rows: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    if group is None:
+        return rows
+    out = rows.new_empty((sum(recv_splits),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _dispatch(rows: torch.Tensor, layout: DispatchLayout, group) -> torch.Tensor:
+    """Rows in send order -> rows on their experts' ranks."""
+    return _exchange(rows, layout.send_splits, layout.recv_splits, group)
+
+
+def _combine(rows: torch.Tensor, layout: DispatchLayout, group) -> torch.Tensor:
+    """Rows on the experts' ranks -> rows back on their source rank, in send order."""
+    return _exchange(rows, layout.recv_splits, layout.send_splits, group)
+
+
+def _unsort(rows: torch.Tensor, layout: DispatchLayout, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Rows in send order -> ``[T, k, ...]`` by (token, slot)."""
+    out = rows.new_empty((num_tokens * top_k,) + tuple(rows.shape[1:]))
+    out[layout.send_order] = rows
+    return out.view((num_tokens, top_k) + tuple(rows.shape[1:]))
+
+
+def _expert_input(x: torch.Tensor, topk_w: torch.Tensor, layout: DispatchLayout,
+                  top_k: int, score_before_experts: bool) -> torch.Tensor:
+    rows = x[layout.send_order // top_k]
+    if score_before_experts:
+        scores = topk_w.reshape(-1)[layout.send_order].unsqueeze(1)
+        rows = (_acc(rows) * scores).to(x.dtype)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# The operator.
+# ---------------------------------------------------------------------------------------
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    score_before_experts: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``y [T, H]`` (dtype of x) and the rows received per local expert (int64)."""
+    fmt = get_precision(precision).forward
+    num_tokens, top_k = topk_idx.shape
+    layout = dispatch_layout(topk_idx, w1.shape[0], group)
+
+    recv_x = _dispatch(_expert_input(x, topk_w, layout, top_k, score_before_experts), layout, group)
+    recv_out = torch.empty_like(recv_x)
+    for e in range(w1.shape[0]):
+        rows = (layout.recv_expert == e).nonzero().squeeze(1)
+        xe = recv_x[rows]
+        h = (F.silu(gemm(xe, w1[e], fmt, True)) * gemm(xe, w3[e], fmt, True)).to(x.dtype)
+        recv_out[rows] = gemm(h, w2[e], fmt, True).to(x.dtype)
+
+    out = _acc(_unsort(_combine(recv_out, layout, group), layout, num_tokens, top_k))
+    if score_before_experts:
+        y = out.sum(dim=1)
+    else:
+        y = (_acc(topk_w).unsqueeze(2) * out).sum(dim=1)
+    return y.to(x.dtype), layout.tokens_per_local_expert
+
+
+def moe_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    score_before_experts: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, d_topk_w, dw1, dw2, dw3)`` of ``moe_forward`` given ``dy``.
+
+    The dispatch and the first GEMM are recomputed from the inputs (forward format).
+    """
+    prec = get_precision(precision)
+    num_tokens, top_k = topk_idx.shape
+    layout = dispatch_layout(topk_idx, w1.shape[0], group)
+    slot_scores = _acc(topk_w.reshape(-1)[layout.send_order].unsqueeze(1))
+    token_of_row = layout.send_order // top_k
+
+    recv_x = _dispatch(_expert_input(x, topk_w, layout, top_k, score_before_experts), layout, group)
+    # Gradient reaching each expert output row.
+    grad_rows = dy[token_of_row]
+    if not score_before_experts:
+        grad_rows = (_acc(grad_rows) * slot_scores).to(dy.dtype)
+    recv_grad = _dispatch(grad_rows, layout, group)
+
+    recv_dx = torch.empty_like(recv_x)
+    recv_out = torch.empty_like(recv_x)
+    dw1, dw2, dw3 = (_acc(torch.zeros_like(w)) for w in (w1, w2, w3))
+    for e in range(w1.shape[0]):
+        rows = (layout.recv_expert == e).nonzero().squeeze(1)
+        xe, ge = recv_x[rows], recv_grad[rows]
+        a = gemm(xe, w1[e], prec.forward, True)
+        b = gemm(xe, w3[e], prec.forward, True)
+        sig = torch.sigmoid(a)
+        h = (a * sig * b).to(x.dtype)
+        recv_out[rows] = gemm(h, w2[e], prec.forward, True).to(x.dtype)
+
+        dh = gemm(ge, w2[e].T, prec.dgrad, True)
+        da = (dh * b * sig * (1 + a * (1 - sig))).to(x.dtype)
+        db = (dh * a * sig).to(x.dtype)
+        dw2[e] = gemm(ge.T, h.T, prec.wgrad, False)
+        dw1[e] = gemm(da.T, xe.T, prec.wgrad, False)
+        dw3[e] = gemm(db.T, xe.T, prec.wgrad, False)
+        recv_dx[rows] = (gemm(da, w1[e].T, prec.dgrad, True) + gemm(db, w3[e].T, prec.dgrad, True)).to(x.dtype)
+
+    d_in = _acc(_unsort(_combine(recv_dx, layout, group), layout, num_tokens, top_k))
+    if score_before_experts:
+        # The expert input was w * x: its gradient splits into x's and w's.
+        dx = (_acc(topk_w).unsqueeze(2) * d_in).sum(dim=1)
+        d_topk_w = (d_in * _acc(x).unsqueeze(1)).sum(dim=2)
+    else:
+        dx = d_in.sum(dim=1)
+        out = _acc(_unsort(_combine(recv_out, layout, group), layout, num_tokens, top_k))
+        d_topk_w = (out * _acc(dy).unsqueeze(1)).sum(dim=2)
+    return (
+        dx.to(x.dtype),
+        d_topk_w.to(topk_w.dtype),
+        dw1.to(w1.dtype),
+        dw2.to(w2.dtype),
+        dw3.to(w3.dtype),
+    )
