@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes, with a deadline.
+"""Run a function on N ranks in fresh processes, with a deadline.
 
 A rank's exception fails the calling test with that rank's traceback; a rank that
 hangs (a missed collective) fails it after ``timeout_s`` instead of blocking CI.
@@ -8,6 +8,7 @@ import os
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -20,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -28,8 +29,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
-    cpu_compat.apply()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        cpu_compat.apply()
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -37,11 +41,12 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int = 2, *args, timeout_s: float = 600.0) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+def run_ranks(fn, world_size: int = 2, *args, timeout_s: float = 600.0, backend: str = "gloo") -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo on the CPU, or
+    nccl with rank i on GPU i)."""
     context = mp.start_processes(
         _entry,
-        args=(world_size, _free_port(), fn, args),
+        args=(world_size, _free_port(), backend, fn, args),
         nprocs=world_size,
         join=False,
         start_method="spawn",

@@ -2,89 +2,16 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from problems import (
+    EXPERTS, HIDDEN, INTER, NAMES, TOP_K, check_ep_rank, make_problem, make_routing,
+    make_weights, rel_err, run_naive, run_op,
+)
 from ranks import run_ranks
 from titan_megamoe.ops import mega_moe
-from titan_megamoe.reference import quantize_operand
 from titan_megamoe.precision import E4M3_MAX, FP8_BLOCK, MXFP8, NATIVE
-
-HIDDEN, INTER, EXPERTS, TOP_K = 64, 48, 8, 3
-
-
-def naive_moe(x, idx, w, w1, w2, w3, score_before):
-    """y[t] = sum_j w W2 (silu(W1 x) * W3 x) slot by slot, in whatever dtype it is given."""
-    xin = x.unsqueeze(1).expand(-1, idx.shape[1], -1)
-    if score_before:
-        xin = xin * w.unsqueeze(2)
-    a = torch.einsum("tkih,tkh->tki", w1[idx], xin)
-    b = torch.einsum("tkih,tkh->tki", w3[idx], xin)
-    out = torch.einsum("tkhi,tki->tkh", w2[idx], F.silu(a) * b)
-    if not score_before:
-        out = out * w.unsqueeze(2)
-    return out.sum(1)
-
-
-def make_routing(kind: str, num_tokens: int, generator) -> torch.Tensor:
-    """[T, k] expert ids with distinct experts per token, for a routing scenario."""
-    if kind == "random":
-        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
-    elif kind == "skewed":  # experts 0-2 take almost everything, 5-7 get nothing
-        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
-        scores[:, :3] += 2.0
-        scores[:, 5:] -= 2.0
-    elif kind == "first_rank_only":  # every slot lands on the first half of the experts
-        scores = torch.rand(num_tokens, EXPERTS, generator=generator)
-        scores[:, EXPERTS // 2 :] -= 2.0
-    else:
-        raise ValueError(kind)
-    return scores.topk(TOP_K, dim=1).indices
-
-
-def make_problem(num_tokens: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, HIDDEN, generator=g)
-    idx = make_routing(routing, num_tokens, g)
-    w = torch.softmax(torch.randn(num_tokens, TOP_K, generator=g), dim=1)
-    return x, idx, w
-
-
-def make_weights(seed: int = 1234):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN**0.5
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER**0.5
-    w3 = torch.randn(EXPERTS, INTER, HIDDEN, generator=g) / HIDDEN**0.5
-    return w1, w2, w3
-
-
-def rel_err(a, b):
-    assert torch.isfinite(a).all(), "NaN/Inf in result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def run_op(x, idx, w, w1, w2, w3, group, score_before, precision, dy):
-    """Forward + backward through the custom op; returns y and all gradients."""
-    leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
-    xl, wl, w1l, w2l, w3l = leaves
-    y, counts = mega_moe(
-        xl, idx, wl, w1l, w2l, w3l, group,
-        score_before_experts=score_before, precision=precision, backend="reference",
-    )
-    y.backward(dy)
-    return y.detach(), counts, [t.grad for t in leaves]
-
-
-def run_naive(x, idx, w, w1, w2, w3, score_before, dy):
-    leaves = [t.double().requires_grad_(True) for t in (x, w, w1, w2, w3)]
-    xl, wl, w1l, w2l, w3l = leaves
-    y = naive_moe(xl, idx, wl, w1l, w2l, w3l, score_before)
-    y.backward(dy.double())
-    return y.detach(), [t.grad for t in leaves]
-
-
-NAMES = ("dx", "d_topk_w", "dw1", "dw2", "dw3")
-
+from titan_megamoe.reference import quantize_operand
 
 @pytest.mark.parametrize("score_before", [False, True])
 @pytest.mark.parametrize("routing", ["random", "skewed"])
@@ -172,44 +99,14 @@ def test_fp8_weight_tiles_are_128x128():
 # Two gloo ranks: each rank's result must equal the formula over all experts.
 # --------------------------------------------------------------------------------------
 
-TOKENS_PER_RANK = {"random": (29, 41), "skewed": (64, 3), "first_rank_only": (17, 1)}
-
-
-def _ep_rank(rank, world_size, routing, score_before, precision, tolerance):
-    group = dist.group.WORLD
-    local = EXPERTS // world_size
-    w1, w2, w3 = make_weights()
-    problems = [make_problem(n, routing, seed=100 + r) for r, n in enumerate(TOKENS_PER_RANK[routing])]
-    dys = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(200 + r))
-           for r, n in enumerate(TOKENS_PER_RANK[routing])]
-    x, idx, w = problems[rank]
-    shard = slice(rank * local, (rank + 1) * local)
-
-    y, counts, grads = run_op(
-        x, idx, w, w1[shard], w2[shard], w3[shard], group, score_before, precision, dys[rank]
-    )
-    # The formula over every rank's tokens: weight gradients sum over all of them.
-    all_x, all_idx, all_w = (torch.cat(parts) for parts in zip(*problems))
-    y_ref, grads_ref = run_naive(all_x, all_idx, all_w, w1, w2, w3, score_before, torch.cat(dys))
-    mine = slice(sum(TOKENS_PER_RANK[routing][:rank]), sum(TOKENS_PER_RANK[routing][: rank + 1]))
-    assert rel_err(y, y_ref[mine]) < tolerance
-    expected = [grads_ref[0][mine], grads_ref[1][mine]] + [g[shard] for g in grads_ref[2:]]
-    for name, g, g_ref in zip(NAMES, grads, expected):
-        if g_ref.abs().max() == 0:  # a rank whose experts got no rows
-            assert torch.equal(g, torch.zeros_like(g)), name
-        else:
-            assert rel_err(g, g_ref) < tolerance, name
-    assert torch.equal(counts, torch.bincount(all_idx.flatten(), minlength=EXPERTS)[shard])
-
-
 @pytest.mark.parametrize("routing", ["random", "skewed", "first_rank_only"])
 @pytest.mark.parametrize("score_before", [False, True])
 def test_two_ranks_match_formula(routing, score_before):
-    run_ranks(_ep_rank, 2, routing, score_before, "bf16", 1e-5)
+    run_ranks(check_ep_rank, 2, routing, score_before, "bf16", 1e-5)
 
 
 def test_two_ranks_fp8_within_tolerance():
-    run_ranks(_ep_rank, 2, "random", False, "fp8", LOW_PRECISION_TOLERANCE)
+    run_ranks(check_ep_rank, 2, "random", False, "fp8", LOW_PRECISION_TOLERANCE)
 
 
 # --------------------------------------------------------------------------------------
