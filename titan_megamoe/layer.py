@@ -26,6 +26,21 @@ class OperatorSettings:
     backend: str
 
 
+class RouterScores:
+    """fp32 router scores on their way into the experts module.
+
+    FSDP2's mixed precision casts every floating-point tensor among a module's forward
+    inputs to the parameter dtype; the operator needs the scores in fp32, as stock
+    TorchTitan keeps them. The cast maps over pytrees, and this holder is a leaf that is
+    not a tensor, so the scores pass through untouched (gradients included).
+    """
+
+    __slots__ = ("scores",)
+
+    def __init__(self, scores: torch.Tensor):
+        self.scores = scores
+
+
 class MegaExperts(GroupedExperts):
     """The routed experts: owns ``w1, w2, w3`` and calls the operator on routed tokens.
 
@@ -42,7 +57,7 @@ class MegaExperts(GroupedExperts):
         self.settings = settings
         self.score_before_experts = score_before_experts
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: RouterScores) -> torch.Tensor:
         group = None
         if isinstance(self.w1, DTensor):
             mesh = self.w1.device_mesh
@@ -56,7 +71,7 @@ class MegaExperts(GroupedExperts):
         y, _tokens_per_local_expert = mega_moe(
             x,
             topk_idx,
-            topk_w,
+            topk_w.scores,
             w1,
             w2,
             w3,
@@ -114,7 +129,7 @@ class MegaMoE(MoE):
 
         top_scores, positions, topk_idx = self.reorderer(top_scores, topk_idx)
         sliced = positions.shape[0] != x.shape[0]
-        routed = self.experts(x[positions] if sliced else x, topk_idx, top_scores)
+        routed = self.experts(x[positions] if sliced else x, topk_idx, RouterScores(top_scores))
         if sliced:
             # The other TP ranks add the rest: the layer's output is Partial over TP.
             routed = routed.new_zeros(x.shape).index_copy(0, positions, routed)
