@@ -192,6 +192,15 @@ def _expert_input(x: torch.Tensor, topk_w: torch.Tensor, layout: DispatchLayout,
 # ---------------------------------------------------------------------------------------
 
 
+def _expert_forward(xe, w1e, w2e, w3e, fmt: str, dtype: torch.dtype):
+    """One expert on its rows: GEMM1 pre-activations ``a``, ``b`` (accumulation dtype),
+    the SwiGLU output ``h`` and the output rows (both rounded to ``dtype``)."""
+    a = gemm(xe, w1e, fmt, True)
+    b = gemm(xe, w3e, fmt, True)
+    h = (F.silu(a) * b).to(dtype)
+    return a, b, h, gemm(h, w2e, fmt, True).to(dtype)
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -212,9 +221,7 @@ def moe_forward(
     recv_out = torch.empty_like(recv_x)
     for e in range(w1.shape[0]):
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
-        xe = recv_x[rows]
-        h = (F.silu(gemm(xe, w1[e], fmt, True)) * gemm(xe, w3[e], fmt, True)).to(x.dtype)
-        recv_out[rows] = gemm(h, w2[e], fmt, True).to(x.dtype)
+        recv_out[rows] = _expert_forward(recv_x[rows], w1[e], w2[e], w3[e], fmt, x.dtype)[3]
 
     out = _acc(_unsort(_combine(recv_out, layout, group), layout, num_tokens, top_k))
     if score_before_experts:
@@ -259,11 +266,8 @@ def moe_backward(
     for e in range(w1.shape[0]):
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
         xe, ge = recv_x[rows], recv_grad[rows]
-        a = gemm(xe, w1[e], prec.forward, True)
-        b = gemm(xe, w3[e], prec.forward, True)
+        a, b, h, recv_out[rows] = _expert_forward(xe, w1[e], w2[e], w3[e], prec.forward, x.dtype)
         sig = torch.sigmoid(a)
-        h = (a * sig * b).to(x.dtype)
-        recv_out[rows] = gemm(h, w2[e], prec.forward, True).to(x.dtype)
 
         dh = gemm(ge, w2[e].T, prec.dgrad, True)
         da = (dh * b * sig * (1 + a * (1 - sig))).to(x.dtype)
