@@ -60,6 +60,22 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     return problems
 
 
+FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "gemm1_activations")
+"""``[mega_moe]`` keys that only the fused backend reads."""
+
+
+def _note_fused_only_settings(cfg, backend: str) -> None:
+    if backend == "fused":
+        return
+    defaults = type(cfg)()
+    changed = [f"{k} = {getattr(cfg, k)!r}" for k in FUSED_ONLY_SETTINGS if getattr(cfg, k) != getattr(defaults, k)]
+    if changed:
+        logger.warning(
+            f"mega_moe: {', '.join(changed)} only affect the fused backend; backend "
+            f"'{backend}' ignores them"
+        )
+
+
 class MegaMoEConverter:
     """Model converter ``mega_moe`` (see the module docstring)."""
 
@@ -86,6 +102,7 @@ class MegaMoEConverter:
             f"mega_moe: routed experts run precision '{precision}' (from {source}) "
             f"on backend '{backend}' ({why})"
         )
+        _note_fused_only_settings(cfg, backend)
         parallel.install()
         for name in SAC_SAVE_LIST_MODULES:
             importlib.import_module(name)._op_sac_save_list.update(SAVE_LIST_OPS)

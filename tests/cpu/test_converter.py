@@ -91,6 +91,13 @@ def test_unservable_jobs_fail_at_convert_time(args, message):
         build_converters(job)
 
 
+def test_fused_only_settings_are_reported_when_ignored(caplog):
+    job = parse("--mega_moe.backend=reference", "--mega_moe.comm_sms=16")
+    with caplog.at_level(logging.WARNING):
+        MegaMoEConverter(job, None)
+    assert any("comm_sms = 16 only affect the fused backend" in r.message for r in caplog.records)
+
+
 def test_converter_without_section_says_what_to_add():
     from torchtitan.config import ConfigManager
 
