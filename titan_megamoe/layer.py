@@ -51,8 +51,7 @@ class MegaExperts(GroupedExperts):
 
     def __init__(self, source: GroupedExperts, settings: OperatorSettings, score_before_experts: bool):
         nn.Module.__init__(self)
-        self.num_experts = source.num_experts
-        self.use_grouped_mm = source.use_grouped_mm
+        self.num_experts = source.num_experts  # read by TorchTitan's apply_fsdp
         self.w1, self.w2, self.w3 = source.w1, source.w2, source.w3
         self.settings = settings
         self.score_before_experts = score_before_experts
