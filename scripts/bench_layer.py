@@ -30,6 +30,7 @@ from titan_megamoe import cpu_compat
 from titan_megamoe.layer import MegaMoE, OperatorSettings
 from titan_megamoe.ops import resolve_backend
 from titan_megamoe.parallel import MegaExpertParallel
+from titan_megamoe.reference import relative_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +115,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def run_variant(layer, x, dy, timer, warmup, iters):
     """Median forward, backward and fwd+bwd ms; output and gradients of the last run."""
     fwd, bwd = [], []
@@ -188,7 +185,7 @@ def bench_one(shape_name, tokens, args, device, dtype, ep_mesh, settings, timer,
     row["speedup_forward"] = row["stock"]["forward_ms"] / row["mega_moe"]["forward_ms"]
     row["speedup_fwd_bwd"] = row["stock"]["fwd_bwd_ms"] / row["mega_moe"]["fwd_bwd_ms"]
     (y_s, g_s), (y_m, g_m) = outputs["stock"], outputs["mega_moe"]
-    row["rel_err_vs_stock"] = {"y": rel_err(y_m, y_s), **{f"d{k}": rel_err(g_m[k], g_s[k]) for k in g_s}}
+    row["rel_err_vs_stock"] = {"y": relative_error(y_m, y_s), **{f"d{k}": relative_error(g_m[k], g_s[k]) for k in g_s}}
     # The worst rank's figures, so a bad rank cannot hide.
     errors = torch.tensor(list(row["rel_err_vs_stock"].values()), dtype=torch.float64, device=device)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)

@@ -43,6 +43,13 @@ from titan_megamoe.precision import (
     get_precision,
 )
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative Frobenius error ``|actual - expected| / |expected|``, the measure every
+    tolerance of the project is stated in (NaN in ``actual`` gives NaN)."""
+    diff = (actual.double() - expected.double()).norm()
+    return (diff / expected.double().norm().clamp_min(1e-30)).item()
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
     """``t`` in the accumulation dtype: fp32, or the tensor's own if wider (gradcheck)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))

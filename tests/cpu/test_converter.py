@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import titan_megamoe.config  # noqa: F401  (registers the converter)
+from problems import rel_err
 from titan_megamoe import reference
 from titan_megamoe.config import MegaMoE as MegaMoESection
 from titan_megamoe.converter import MegaMoEConverter
@@ -171,11 +172,6 @@ def test_operator_joins_the_selective_ac_save_lists():
 # --------------------------------------------------------------------------------------
 # Every model family with TorchTitan MoE layers: converted == stock on one rank.
 # --------------------------------------------------------------------------------------
-
-
-def rel_err(a, b):
-    assert torch.isfinite(a).all(), "NaN/Inf in result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def debug_model(family: str, n_layers: int = 2, state=None):

@@ -10,16 +10,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from problems import rel_err
 from ranks import run_ranks
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2
 BATCH, SEQ = 2, 32
-
-
-def rel_err(a, b):
-    assert torch.isfinite(a).all(), "NaN/Inf in result"
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
