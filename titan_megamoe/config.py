@@ -41,11 +41,12 @@ class MegaMoE:
 
     capacity_tokens_per_rank: int = 0
     """Largest token count one rank may feed one MoE layer; the fused backend sizes its
-    symmetric buffers from it. 0 = local batch size x sequence length."""
+    symmetric buffers from it, and refuses a call with more.
+    0 = local batch size x sequence length."""
 
     comm_sms: int = 0
-    """Multiprocessors the fused backend reserves for dispatch and combine
-    (0 = let the kernel choose)."""
+    """Programs of the fused forward that dispatch rows to their owners before joining the
+    first expert GEMM (0 = the backend's default, 32)."""
 
     gemm1_activations: str = "recompute"
     """What the backward does for the first expert GEMM's output:

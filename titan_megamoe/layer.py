@@ -24,6 +24,10 @@ class OperatorSettings:
 
     precision: str
     backend: str
+    capacity_tokens: int = 0
+    """Fused backend: most tokens a rank feeds one layer (sizes its buffers)."""
+    comm_sms: int = 0
+    """Fused backend: programs that dispatch before joining GEMM1 (0: its default)."""
 
 
 class RouterScores:
@@ -78,6 +82,8 @@ class MegaExperts(GroupedExperts):
             score_before_experts=self.score_before_experts,
             precision=self.settings.precision,
             backend=self.settings.backend,
+            capacity_tokens=self.settings.capacity_tokens,
+            comm_sms=self.settings.comm_sms,
         )
         return y
 

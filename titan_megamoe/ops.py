@@ -15,47 +15,60 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_megamoe import reference
-from titan_megamoe.precision import get_precision
+from titan_megamoe import fused, reference
+from titan_megamoe.precision import NATIVE, get_precision
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of the operator."""
+    """One implementation of the operator.
+
+    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, precision,
+    capacity_tokens, comm_sms)``; ``backward`` takes ``dy`` first and no tuning knobs.
+    ``unsupported(device, precision)`` says why it cannot run there, or None.
+    """
 
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
+    unsupported: Callable[[torch.device, str], str | None]
+
+
+def _reference_forward(*args, capacity_tokens: int, comm_sms: int):
+    return reference.moe_forward(*args)
+
+
+def _fused_unsupported(device: torch.device, precision: str) -> str | None:
+    if get_precision(precision).forward != NATIVE:
+        return f"precision {precision!r} has a quantized forward, which it does not run yet"
+    return fused.unsupported_reason(device)
 
 
 BACKENDS: dict[str, Backend] = {
-    "reference": Backend(reference.moe_forward, reference.moe_backward),
+    "fused": Backend(fused.moe_forward, reference.moe_backward, _fused_unsupported),
+    "reference": Backend(_reference_forward, reference.moe_backward, lambda device, precision: None),
 }
-"""Available implementations, by name."""
-
-UNAVAILABLE_BACKENDS = {
-    "fused": "the fused Triton backend is not part of this release yet; "
-    "use backend = 'reference' (or 'auto')",
-}
-"""Backends that can be named but cannot run here, with the reason."""
+"""Implementations, by name, fastest first (``auto`` takes the first that can run)."""
 
 
-def resolve_backend(requested: str, device: torch.device) -> tuple[str, str]:
-    """The backend to run for ``requested`` on ``device``, and why (for the log).
-
-    Raises if ``requested`` names a backend that cannot run.
-    """
+def resolve_backend(requested: str, device: torch.device, precision: str) -> tuple[str, str]:
+    """The backend to run for ``requested`` on ``device`` in ``precision``, and why (for
+    the log). Raises if ``requested`` names a backend that cannot run there."""
     if requested == "auto":
-        reasons = "; ".join(f"{name}: {why}" for name, why in UNAVAILABLE_BACKENDS.items())
-        return "reference", f"auto on {device.type} ({reasons})"
-    if requested in UNAVAILABLE_BACKENDS:
-        raise NotImplementedError(
-            f"[mega_moe] backend = {requested!r}: {UNAVAILABLE_BACKENDS[requested]}"
-        )
+        skipped = []
+        for name, backend in BACKENDS.items():
+            reason = backend.unsupported(device, precision)
+            if reason is None:
+                why = f"auto on {device.type}" + (f"; not {'; not '.join(skipped)}" if skipped else "")
+                return name, why
+            skipped.append(f"{name}: {reason}")
     if requested not in BACKENDS:
         raise ValueError(
             f"[mega_moe] backend = {requested!r} is unknown; known backends: "
-            + ", ".join(["auto", *BACKENDS, *UNAVAILABLE_BACKENDS])
+            + ", ".join(["auto", *BACKENDS])
         )
+    reason = BACKENDS[requested].unsupported(device, precision)
+    if reason is not None:
+        raise NotImplementedError(f"[mega_moe] backend = {requested!r} cannot run here: {reason}")
     return requested, "asked for"
 
 
@@ -77,14 +90,18 @@ def moe_forward(
     score_before_experts: bool,
     precision: str,
     backend: str,
+    capacity_tokens: int,
+    comm_sms: int,
 ) -> tuple[Tensor, Tensor]:
     return BACKENDS[backend].forward(
-        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision
+        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision,
+        capacity_tokens=capacity_tokens, comm_sms=comm_sms,
     )
 
 
 @moe_forward.register_fake
-def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend):
+def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
+      capacity_tokens, comm_sms):
     return torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64)
 
 
@@ -101,6 +118,8 @@ def moe_backward(
     score_before_experts: bool,
     precision: str,
     backend: str,
+    capacity_tokens: int,
+    comm_sms: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return BACKENDS[backend].backward(
         dy, x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision
@@ -108,11 +127,14 @@ def moe_backward(
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend):
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
+      capacity_tokens, comm_sms):
     return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
 
 
-_NON_TENSOR_ARGS = ("group_name", "score_before_experts", "precision", "backend")
+_NON_TENSOR_ARGS = (
+    "group_name", "score_before_experts", "precision", "backend", "capacity_tokens", "comm_sms",
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -171,6 +193,8 @@ def mega_moe(
     score_before_experts: bool,
     precision: str,
     backend: str,
+    capacity_tokens: int = 0,
+    comm_sms: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Routed experts of one MoE layer, expert-parallel over ``group``.
 
@@ -183,15 +207,18 @@ def mega_moe(
         score_before_experts: scale the expert input by the score instead of the output.
         precision: a name from ``titan_megamoe.precision.PRECISIONS``.
         backend: a name from ``BACKENDS``.
+        capacity_tokens: (fused) most tokens any rank of ``group`` passes; sizes the
+            buffers. 0: this call's token count (then every rank must pass as many).
+        comm_sms: (fused) programs that dispatch before joining GEMM1; 0: the default.
 
     Returns:
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
     """
     _check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     get_precision(precision)
-    if backend not in BACKENDS:
-        resolve_backend(backend, x.device)  # raises with the reason
+    resolve_backend(backend, x.device, precision)  # raises with the reason
     group_name = "" if group is None else group.group_name
     return torch.ops.titan_megamoe.moe_forward(
-        x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend
+        x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
+        capacity_tokens, comm_sms,
     )

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from problems import (
     EXPERTS, HIDDEN, INTER, NAMES, TOP_K, check_ep_rank, make_problem, make_routing,

@@ -1,0 +1,141 @@
+"""Dispatch + GEMM1 + SwiGLU in one persistent kernel.
+
+Programs ``0 .. COMM_PROGRAMS-1`` first push this rank's routed rows into their owners'
+receive buffers, one *item* (<= BLOCK_M rows of one expert) at a time, and release the
+item's CHUNK_READY flag on the owner (protocol: ``sync``). Then every program, those
+included, takes GEMM1 tiles from a device counter, in expert-major order: a tile waits
+for the chunks its rows come from, computes ``x W1^T`` and ``x W3^T`` for BLOCK_N
+intermediate columns, and stores ``h = silu(g) * u`` in the activation dtype. The
+[rows, 2I] pre-activation never reaches memory.
+
+Tiles are handed out in the order the rows arrive (every source sends expert 0 first),
+so compute on arrived blocks overlaps the transfer of later ones. With a single sending
+program, waits only depend on program 0, so the kernel also runs under the Triton
+interpreter, where programs run one after another in id order.
+"""
+
+import triton
+import triton.language as tl
+
+from titan_megamoe.kernels.layout import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS, expert_of_row
+from titan_megamoe.kernels.sync import peer_pointer, signal, wait_all
+
+
+@triton.jit
+def _dispatch_item(
+    item, x, topk_w, order, send_start, dest_start, item_start,
+    recv, recv_meta, flags, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
+    CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+):
+    lane = tl.arange(0, EXPERT_PAD)
+    starts = tl.load(item_start + lane, mask=lane < ep * local_experts, other=2147483647)
+    o = tl.sum((starts <= item).to(tl.int32)) - 1
+    chunk = item - tl.load(item_start + o)
+    le = o // ep
+    owner = o % ep
+    expert = owner * local_experts + le
+    first = tl.load(send_start + expert) + chunk * BLOCK_M
+    rows = tl.minimum(tl.load(send_start + expert + 1) - first, BLOCK_M)
+    dest0 = tl.load(dest_start + expert) + chunk * BLOCK_M
+    recv = peer_pointer(recv, recv_ptrs, owner, rank)
+    meta = peer_pointer(recv_meta, meta_ptrs, owner, rank)
+    for r0 in range(0, rows, COPY_ROWS):
+        r = r0 + tl.arange(0, COPY_ROWS)
+        live = r < rows
+        flat = tl.load(order + first + r, mask=live, other=0)
+        token = (flat // TOP_K).to(tl.int64)
+        dest = (dest0 + r).to(tl.int64)
+        tl.store(meta + dest, rank * rows_per_rank + flat, mask=live)
+        score = tl.load(topk_w + flat, mask=live & SCORE_BEFORE_EXPERTS, other=1.0)
+        for c0 in range(0, HIDDEN, COPY_COLS):
+            c = c0 + tl.arange(0, COPY_COLS)
+            mask = live[:, None] & (c[None, :] < HIDDEN)
+            v = tl.load(x + token[:, None] * HIDDEN + c[None, :], mask=mask)
+            if SCORE_BEFORE_EXPERTS:
+                v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
+            tl.store(recv + dest[:, None] * HIDDEN + c[None, :], v, mask=mask)
+    peer_flags = peer_pointer(flags, flag_ptrs, owner, rank)
+    signal(peer_flags + CHUNK_READY + (rank * local_experts + le) * MAX_CHUNKS + chunk, epoch)
+
+
+@triton.jit
+def _wait_rows(
+    flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep, local_experts,
+    max_spins, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Wait until every source's chunks that overlap rows [row0, row0 + BLOCK_M) arrived.
+    Chunks are BLOCK_M rows long, so each source contributes at most two."""
+    s = tl.arange(0, EP_PAD)[:, None]
+    second = tl.arange(0, 2)[None, :]
+    seg = base + tl.load(src_offset + s * local_experts + le, mask=s < ep, other=0)
+    n = tl.load(src_rows + s * local_experts + le, mask=s < ep, other=0)
+    lo = tl.maximum(row0, seg)
+    hi = tl.minimum(row0 + BLOCK_M, seg + n)
+    c0 = (lo - seg) // BLOCK_M
+    c1 = (hi - 1 - seg) // BLOCK_M
+    chunk = c0 + second
+    need = (s < ep) & (lo < hi) & (chunk <= c1)
+    ids = (s * local_experts + le) * MAX_CHUNKS + chunk
+    wait_all(flags + CHUNK_READY + ids, ids, need, epoch, status_addr, rank, 2, max_spins)
+    tl.debug_barrier()
+
+
+@triton.jit
+def dispatch_gemm1_kernel(
+    x, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
+    recv, recv_meta, flags, state, local_base, src_offset, src_rows, w1, w3, h,
+    status_addr, rank, ep, local_experts, rows_per_rank, max_spins,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+    CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(state + EPOCH)
+    if pid < COMM_PROGRAMS:
+        for item in range(pid, tl.load(state + NUM_ITEMS), COMM_PROGRAMS):
+            _dispatch_item(
+                item, x, topk_w, order, send_start, dest_start, item_start,
+                recv, recv_meta, flags, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, CHUNK_READY, MAX_CHUNKS,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS,
+            )
+
+    n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
+    num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
+    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+    while tile < num_tiles:
+        row0 = (tile // n_tiles) * BLOCK_M
+        n0 = (tile % n_tiles) * BLOCK_N
+        le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
+        base = tl.load(local_base + le)
+        _wait_rows(
+            flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep,
+            local_experts, max_spins, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+        )
+
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = recv + rows[:, None] * HIDDEN + ks[None, :]
+        w_off = le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
+        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
+            a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            b1 = tl.load(w1 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            b3 = tl.load(w3 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+            g = tl.dot(a, b1, g)
+            u = tl.dot(a, b3, u)
+        out = g * tl.sigmoid(g) * u
+        tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=col_ok[None, :])
+        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
