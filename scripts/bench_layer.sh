@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The layer A/B (scripts/bench_layer.py) on every GPU of this machine, or on two gloo
-# ranks on the CPU when there is no GPU. Arguments go to bench_layer.py, e.g.
-#   ./scripts/bench_layer.sh --shapes 30B-A3B,235B-A22B --tokens 4096,16384 --iters 20
+# ranks on the CPU when there is no GPU. Arguments go to bench_layer.py; by default it runs
+# 30B-A3B and 235B-A22B at 4,096 and 16,384 tokens/rank, stock eager, stock compiled and
+# mega_moe, forward + backward, 20 iterations. The fused forward alone, e.g.:
+#   ./scripts/bench_layer.sh --backend fused --forward-only
+# On the CPU use small rows: --shapes debug --tokens 64 --backend reference
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')

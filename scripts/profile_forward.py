@@ -1,0 +1,97 @@
+"""Where the fused forward's time goes: per-kernel GPU time from the PyTorch profiler.
+
+    torchrun --nproc_per_node=N scripts/profile_forward.py --shape 30B-A3B --tokens 16384
+
+Random routing (softmax of random logits, top-k), EP = every rank, bf16. Prints, on rank
+0, each kernel's mean time per call and the wall time per call, for every ``--comm-sms``
+value and every ``--tiles`` variant of the SM90 tile table (e.g.
+``--tiles "" "gemm2_n=128,num_stages=4"``: the table as is, then with those fields
+changed); writes ``profile_forward.json``.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from titan_megamoe import fused
+from titan_megamoe.kernels import configs
+from titan_megamoe.ops import mega_moe
+
+SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
+
+
+def inputs(shape: str, tokens: int, rank: int, world: int):
+    hidden, inter, experts, top_k = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    scores = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), dim=1)
+    topk_w, topk_idx = scores.topk(top_k, dim=1)
+    local = experts // world
+    w1, w3 = ((torch.randn(local, inter, hidden, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(2))
+    w2 = (torch.randn(local, hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    return x, topk_idx, topk_w, w1, w2, w3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--comm-sms", default="16", help="comma-separated values to compare")
+    p.add_argument("--tiles", nargs="*", default=[""], help="tile-table variants: field=value,...")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="outputs/profile_forward")
+    args = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD if world > 1 else None
+    args_in = inputs(args.shape, args.tokens, rank, world)
+    results = {}
+    table = configs.TILE_CONFIGS["sm90"]
+    variants = [(comm, tiles) for tiles in args.tiles for comm in (int(c) for c in args.comm_sms.split(","))]
+    for comm_sms, tiles in variants:
+        changes = dict(kv.split("=") for kv in tiles.split(",") if kv)
+        configs.TILE_CONFIGS["sm90"] = dataclasses.replace(table, **{k: int(v) for k, v in changes.items()})
+        fused._BUFFERS.clear()  # buffers follow the tile table (block_m)
+        label = f"comm_sms={comm_sms} tiles={tiles or 'table'}"
+
+        def call():
+            return mega_moe(*args_in, group, score_before_experts=False, precision="bf16",
+                            backend="fused", comm_sms=comm_sms)
+
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(args.iters):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+        kernels = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.name[:60]] += e.device_time / args.iters / 1e3
+        results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "kernels_ms": dict(kernels)}
+    if rank == 0:
+        for label, r in results.items():
+            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {label}: {r['wall_ms']:.3f} ms per call")
+            for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
+                print(f"    {ms:8.3f} ms  {name}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_forward.json").write_text(json.dumps({"args": vars(args), "ep": world, "results": results}, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
