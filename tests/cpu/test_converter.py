@@ -99,6 +99,33 @@ def test_fused_only_settings_are_reported_when_ignored(caplog):
     assert any("comm_sms = 16 only affect the fused backend" in r.message for r in caplog.records)
 
 
+def test_fused_settings_reach_the_layers():
+    job = parse("--training.local_batch_size=3", "--training.seq_len=512", "--mega_moe.comm_sms=24")
+    assert MegaMoEConverter(job, None).settings.capacity_tokens == 3 * 512
+    job = parse("--mega_moe.capacity_tokens_per_rank=999")
+    settings = MegaMoEConverter(job, None).settings
+    assert (settings.capacity_tokens, settings.comm_sms) == (999, 0)
+
+
+@pytest.mark.parametrize(
+    "precision, fused_reason, expected",
+    [
+        ("bf16", None, "fused"),
+        ("fp8_bwd", None, "fused"),
+        ("fp8", None, "reference"),  # quantized forward: not fused yet
+        ("bf16", "it needs a CUDA GPU (the device is cpu)", "reference"),
+    ],
+)
+def test_auto_backend_takes_the_first_that_can_run(precision, fused_reason, expected, monkeypatch):
+    from titan_megamoe import fused, ops
+
+    monkeypatch.setattr(fused, "unsupported_reason", lambda device: fused_reason)
+    backend, why = ops.resolve_backend("auto", torch.device("cuda"), precision)
+    assert backend == expected
+    if expected == "reference":
+        assert why.startswith("auto on cuda; not fused: ")
+
+
 def test_converter_without_section_says_what_to_add():
     from torchtitan.config import ConfigManager
 
