@@ -11,6 +11,7 @@ Listed in ``model.converters``, it
 """
 
 import importlib
+import os
 
 import torch
 from torch import nn
@@ -81,6 +82,14 @@ def _note_fused_only_settings(cfg, backend: str) -> None:
         )
 
 
+def _ep_within_node(job_config: JobConfig) -> bool:
+    """Whether each EP group is GPUs of one node. TorchTitan builds EP from the innermost
+    mesh dimensions, so its groups are runs of consecutive ranks of length ep."""
+    ep = job_config.parallelism.expert_parallel_degree
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ep))
+    return ep <= local and local % ep == 0
+
+
 class MegaMoEConverter:
     """Model converter ``mega_moe`` (see the module docstring)."""
 
@@ -101,7 +110,9 @@ class MegaMoEConverter:
             )
         else:
             precision, source = cfg.precision, "[mega_moe] precision"
-        backend, why = resolve_backend(cfg.backend, torch.device(titan_utils.device_type), precision)
+        backend, why = resolve_backend(
+            cfg.backend, torch.device(titan_utils.device_type), precision, _ep_within_node(job_config)
+        )
         capacity = cfg.capacity_tokens_per_rank or (
             job_config.training.local_batch_size * job_config.training.seq_len
         )

@@ -25,38 +25,44 @@ class Backend:
 
     ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, precision,
     capacity_tokens, comm_sms)``; ``backward`` takes ``dy`` first and no tuning knobs.
-    ``unsupported(device, precision)`` says why it cannot run there, or None.
+    ``unsupported(device, precision, ep_within_node)`` says why it cannot run there, or
+    None.
     """
 
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
-    unsupported: Callable[[torch.device, str], str | None]
+    unsupported: Callable[[torch.device, str, bool], str | None]
 
 
 def _reference_forward(*args, capacity_tokens: int, comm_sms: int):
     return reference.moe_forward(*args)
 
 
-def _fused_unsupported(device: torch.device, precision: str) -> str | None:
+def _fused_unsupported(device: torch.device, precision: str, ep_within_node: bool) -> str | None:
     if get_precision(precision).forward != NATIVE:
         return f"precision {precision!r} has a quantized forward, which it does not run yet"
+    if not ep_within_node:
+        return "its EP group must be GPUs of one node (NVLink peers); this one spans nodes"
     return fused.unsupported_reason(device)
 
 
 BACKENDS: dict[str, Backend] = {
     "fused": Backend(fused.moe_forward, reference.moe_backward, _fused_unsupported),
-    "reference": Backend(_reference_forward, reference.moe_backward, lambda device, precision: None),
+    "reference": Backend(_reference_forward, reference.moe_backward, lambda *_: None),
 }
 """Implementations, by name, fastest first (``auto`` takes the first that can run)."""
 
 
-def resolve_backend(requested: str, device: torch.device, precision: str) -> tuple[str, str]:
-    """The backend to run for ``requested`` on ``device`` in ``precision``, and why (for
-    the log). Raises if ``requested`` names a backend that cannot run there."""
+def resolve_backend(
+    requested: str, device: torch.device, precision: str, ep_within_node: bool = True
+) -> tuple[str, str]:
+    """The backend to run for ``requested`` on ``device`` in ``precision`` (with the EP
+    group inside one node or not), and why (for the log). Raises if ``requested`` names a
+    backend that cannot run there."""
     if requested == "auto":
         skipped = []
         for name, backend in BACKENDS.items():
-            reason = backend.unsupported(device, precision)
+            reason = backend.unsupported(device, precision, ep_within_node)
             if reason is None:
                 why = f"auto on {device.type}" + (f"; not {'; not '.join(skipped)}" if skipped else "")
                 return name, why
@@ -66,7 +72,7 @@ def resolve_backend(requested: str, device: torch.device, precision: str) -> tup
             f"[mega_moe] backend = {requested!r} is unknown; known backends: "
             + ", ".join(["auto", *BACKENDS])
         )
-    reason = BACKENDS[requested].unsupported(device, precision)
+    reason = BACKENDS[requested].unsupported(device, precision, ep_within_node)
     if reason is not None:
         raise NotImplementedError(f"[mega_moe] backend = {requested!r} cannot run here: {reason}")
     return requested, "asked for"

@@ -8,6 +8,7 @@ behind the same interface.
 """
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -42,10 +43,23 @@ def _nvlink(group: dist.ProcessGroup, device: torch.device) -> SymmetricAllocato
     return allocate
 
 
+def _check_one_node(group: dist.ProcessGroup) -> None:
+    hosts = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        raise RuntimeError(
+            f"mega_moe fused backend: the EP group spans hosts {sorted(set(hosts))}; its "
+            "buffers need NVLink peers on one node. Use an EP degree within a node or "
+            "backend = 'reference'"
+        )
+
+
 def allocator(group: dist.ProcessGroup | None, device: torch.device) -> SymmetricAllocator:
-    """The allocator for buffers shared by ``group`` (None: this rank alone)."""
+    """The allocator for buffers shared by ``group`` (None: this rank alone). Called once
+    per buffer set; checks (collectively) that the group is on one node."""
     if group is None or group.size() == 1:
         return _local(device)
+    _check_one_node(group)
     if device.type != "cuda":
         raise ValueError(f"symmetric buffers over {group.size()} ranks need CUDA devices; got {device}")
     return _nvlink(group, device)

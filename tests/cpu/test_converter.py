@@ -126,6 +126,19 @@ def test_auto_backend_takes_the_first_that_can_run(precision, fused_reason, expe
         assert why.startswith("auto on cuda; not fused: ")
 
 
+@pytest.mark.parametrize("backend", ["auto", "fused"])
+def test_ep_across_nodes_is_not_fused(backend, monkeypatch, caplog):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    job = parse("--parallelism.expert_parallel_degree=8", f"--mega_moe.backend={backend}")
+    if backend == "fused":
+        with pytest.raises(NotImplementedError, match="EP group must be GPUs of one node"):
+            MegaMoEConverter(job, None)
+        return
+    with caplog.at_level(logging.INFO):
+        assert MegaMoEConverter(job, None).settings.backend == "reference"
+    assert any("not fused: its EP group must be GPUs of one node" in r.message for r in caplog.records)
+
+
 def test_converter_without_section_says_what_to_add():
     from torchtitan.config import ConfigManager
 

@@ -1,6 +1,7 @@
 """The fused forward's Triton kernels at tiny shapes under the Triton interpreter (one
 rank, CPU): against the reference backend, with poisoned buffers, uneven and skewed
-routing, determinism, the capacity check and a timed-out wait.
+routing, determinism, the capacity check and a timed-out wait; and the symmetric
+buffers' one-node check (gloo ranks).
 
 The interpreter must be switched on before Triton kernels are defined, so each check
 runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
@@ -133,3 +134,22 @@ def _check_timeout_and_capacity(rank, world):
 def test_dead_peer_times_out_and_capacity_is_checked(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_check_timeout_and_capacity, 1, timeout_s=300)
+
+
+def _symmetric_buffers_need_one_node(rank, world):
+    import socket
+
+    import torch.distributed as dist
+
+    from titan_megamoe import symm
+
+    socket.gethostname = lambda: "node-a"
+    with pytest.raises(ValueError, match="symmetric buffers over 2 ranks need CUDA devices"):
+        symm.allocator(dist.group.WORLD, torch.device("cpu"))
+    socket.gethostname = lambda: f"node-{rank}"
+    with pytest.raises(RuntimeError, match=r"EP group spans hosts \['node-0', 'node-1'\]"):
+        symm.allocator(dist.group.WORLD, torch.device("cpu"))
+
+
+def test_symmetric_buffers_need_one_node():
+    run_ranks(_symmetric_buffers_need_one_node, 2, timeout_s=300)
