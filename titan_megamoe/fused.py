@@ -32,8 +32,10 @@ compiling or loading data, short enough that a dead peer does not hang the job).
 _BUFFERS: dict[tuple, ForwardBuffers] = {}
 
 
-def unsupported_reason(device: torch.device) -> str | None:
-    """Why the fused backend cannot run on ``device``, or None if it can."""
+def unsupported_reason(device: torch.device, precision: str) -> str | None:
+    """Why the fused backend cannot run on ``device`` in ``precision``, or None if it can."""
+    if get_precision(precision).forward != NATIVE:
+        return f"precision {precision!r} has a quantized forward, which it does not run yet"
     if INTERPRET:
         return None
     if device.type != "cuda":
@@ -87,14 +89,9 @@ def moe_forward(
     capacity_tokens: int,
     comm_sms: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if get_precision(precision).forward != NATIVE:
-        raise NotImplementedError(
-            f"mega_moe fused backend: precision {precision!r} has a quantized forward, which "
-            "this release runs on the reference backend only; use 'bf16' or 'fp8_bwd'"
-        )
-    reason = unsupported_reason(x.device)
+    reason = unsupported_reason(x.device, precision)
     if reason:
-        raise RuntimeError(f"mega_moe fused backend cannot run: {reason}")
+        raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
     ep = 1 if group is None else group.size()
     rank = 0 if group is None else group.rank()
     shape = ForwardShape(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_megamoe import fused, reference
-from titan_megamoe.precision import NATIVE, get_precision
+from titan_megamoe.precision import get_precision
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,9 @@ def _reference_forward(*args, capacity_tokens: int, comm_sms: int):
 
 
 def _fused_unsupported(device: torch.device, precision: str, ep_within_node: bool) -> str | None:
-    if get_precision(precision).forward != NATIVE:
-        return f"precision {precision!r} has a quantized forward, which it does not run yet"
     if not ep_within_node:
         return "its EP group must be GPUs of one node (NVLink peers); this one spans nodes"
-    return fused.unsupported_reason(device)
+    return fused.unsupported_reason(device, precision)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -222,7 +220,8 @@ def mega_moe(
     """
     _check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     get_precision(precision)
-    resolve_backend(backend, x.device, precision)  # raises with the reason
+    if backend not in BACKENDS:
+        resolve_backend(backend, x.device, precision)  # raises with the reason
     group_name = "" if group is None else group.group_name
     return torch.ops.titan_megamoe.moe_forward(
         x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
