@@ -220,8 +220,7 @@ def mega_moe(
     """
     _check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     get_precision(precision)
-    if backend not in BACKENDS:
-        resolve_backend(backend, x.device, precision)  # raises with the reason
+    resolve_backend(backend, x.device, precision)  # raises with the reason
     group_name = "" if group is None else group.group_name
     return torch.ops.titan_megamoe.moe_forward(
         x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
