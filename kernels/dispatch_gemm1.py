@@ -6,7 +6,9 @@ item's CHUNK_READY flag on the owner (protocol: ``sync``). Then every program, t
 included, takes GEMM1 tiles from a device counter, in expert-major order: a tile waits
 for the chunks its rows come from, computes ``x W1^T`` and ``x W3^T`` for BLOCK_N
 intermediate columns, and stores ``h = silu(g) * u`` in the activation dtype. The
-[rows, 2I] pre-activation never reaches memory.
+[rows, 2I] pre-activation reaches memory only with ``SAVE_PREACT`` (for the backward).
+``dispatch_item``, ``wait_rows`` and ``gate_up`` are shared with the backward's first
+kernel, its transpose.
 
 Tiles are handed out in the order the rows arrive (every source sends expert 0 first),
 so compute on arrived blocks overlaps the transfer of later ones. With a single sending
@@ -22,13 +24,19 @@ from titan_megamoe.kernels.sync import peer_pointer, signal, wait_all
 
 
 @triton.jit
-def _dispatch_item(
-    item, x, topk_w, order, send_start, dest_start, item_start,
-    recv, recv_meta, flags, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+def dispatch_item(
+    item, x, dy, topk_w, order, send_start, dest_start, item_start,
+    recv, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs,
+    flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
-    CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+    WITH_GRAD: tl.constexpr, NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
 ):
+    """Push one item (<= BLOCK_M of my rows for one expert) to the expert's owner: the
+    expert input rows and their origins, plus, ``WITH_GRAD`` (the backward), the output
+    gradient rows ``dy`` and the scores, and then only the inputs the owner's
+    NEEDS_INPUT flag asks for; then release the item's CHUNK_READY."""
     lane = tl.arange(0, EXPERT_PAD)
     starts = tl.load(item_start + lane, mask=lane < ep * local_experts, other=2147483647)
     o = tl.sum((starts <= item).to(tl.int32)) - 1
@@ -41,27 +49,40 @@ def _dispatch_item(
     dest0 = tl.load(dest_start + expert) + chunk * BLOCK_M
     recv = peer_pointer(recv, recv_ptrs, owner, rank)
     meta = peer_pointer(recv_meta, meta_ptrs, owner, rank)
+    send_input = True
+    if WITH_GRAD:
+        recv_grad = peer_pointer(recv_grad, grad_ptrs, owner, rank)
+        recv_score = peer_pointer(recv_score, score_ptrs, owner, rank)
+        send_input = tl.load(flags + NEEDS_INPUT + owner, volatile=True) != 0
     for r0 in range(0, rows, COPY_ROWS):
         r = r0 + tl.arange(0, COPY_ROWS)
         live = r < rows
         flat = tl.load(order + first + r, mask=live, other=0)
         token = (flat // TOP_K).to(tl.int64)
         dest = (dest0 + r).to(tl.int64)
-        tl.store(meta + dest, rank * rows_per_rank + flat, mask=live)
-        score = tl.load(topk_w + flat, mask=live & SCORE_BEFORE_EXPERTS, other=1.0)
+        if send_input:
+            tl.store(meta + dest, rank * rows_per_rank + flat, mask=live)
+        score = tl.load(topk_w + flat, mask=live & (SCORE_BEFORE_EXPERTS | WITH_GRAD), other=1.0)
+        if WITH_GRAD:
+            tl.store(recv_score + dest, score, mask=live)
         for c0 in range(0, HIDDEN, COPY_COLS):
             c = c0 + tl.arange(0, COPY_COLS)
             mask = live[:, None] & (c[None, :] < HIDDEN)
-            v = tl.load(x + token[:, None] * HIDDEN + c[None, :], mask=mask)
-            if SCORE_BEFORE_EXPERTS:
-                v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
-            tl.store(recv + dest[:, None] * HIDDEN + c[None, :], v, mask=mask)
+            src = token[:, None] * HIDDEN + c[None, :]
+            dst = dest[:, None] * HIDDEN + c[None, :]
+            if send_input:
+                v = tl.load(x + src, mask=mask)
+                if SCORE_BEFORE_EXPERTS:
+                    v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
+                tl.store(recv + dst, v, mask=mask)
+            if WITH_GRAD:
+                tl.store(recv_grad + dst, tl.load(dy + src, mask=mask), mask=mask)
     peer_flags = peer_pointer(flags, flag_ptrs, owner, rank)
     signal(peer_flags + CHUNK_READY + (rank * local_experts + le) * MAX_CHUNKS + chunk, epoch)
 
 
 @triton.jit
-def _wait_rows(
+def wait_rows(
     flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep, local_experts,
     max_spins, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -86,23 +107,26 @@ def _wait_rows(
 @triton.jit
 def dispatch_gemm1_kernel(
     x, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
-    recv, recv_meta, flags, state, local_base, src_offset, src_rows, w1, w3, h,
+    recv, recv_meta, flags, state, local_base, src_offset, src_rows, w1, w3, h, preact,
     status_addr, rank, ep, local_experts, rows_per_rank, max_spins,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    SCORE_BEFORE_EXPERTS: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
+    """``SAVE_PREACT``: also store the pre-activations ``[gate | up]`` into ``preact``
+    ``[rows, 2 * INTER]`` for the backward."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS), COMM_PROGRAMS):
-            _dispatch_item(
-                item, x, topk_w, order, send_start, dest_start, item_start,
-                recv, recv_meta, flags, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
-                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, CHUNK_READY, MAX_CHUNKS,
+            dispatch_item(
+                item, x, x, topk_w, order, send_start, dest_start, item_start,
+                recv, recv, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs, meta_ptrs,
+                flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
                 EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS,
             )
 
@@ -114,7 +138,7 @@ def dispatch_gemm1_kernel(
         n0 = (tile % n_tiles) * BLOCK_N
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         base = tl.load(local_base + le)
-        _wait_rows(
+        wait_rows(
             flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep,
             local_experts, max_spins, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
         )
@@ -122,20 +146,38 @@ def dispatch_gemm1_kernel(
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = recv + rows[:, None] * HIDDEN + ks[None, :]
-        w_off = le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
-        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
-            a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            b1 = tl.load(w1 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            b3 = tl.load(w3 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
-            g = tl.dot(a, b1, g)
-            u = tl.dot(a, b3, u)
+        g, u = gate_up(
+            recv, w1, w3, le, rows, cols, col_ok, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT,
+        )
         out = g * tl.sigmoid(g) * u
-        tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=col_ok[None, :])
+        mask = col_ok[None, :]
+        tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+        if SAVE_PREACT:
+            at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
+            tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
+            tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=mask)
         tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+
+
+@triton.jit
+def gate_up(
+    recv, w1, w3, le, rows, cols, col_ok,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = recv + rows[:, None] * HIDDEN + ks[None, :]
+    w_off = le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
+        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        b1 = tl.load(w1 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        b3 = tl.load(w3 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+        g = tl.dot(a, b1, g)
+        u = tl.dot(a, b3, u)
+    return g, u

@@ -1,14 +1,20 @@
-"""GEMM2 with the combine push, and the final per-token reduction.
+"""Expert rows times a weight, pushed back to the rows' source ranks, and the final
+per-token reduction. Used by the forward (GEMM2 + combine) and the backward (dgrad + its
+combine).
 
-``gemm2_combine_kernel``: persistent tiles of ``h W2^T`` over the receive buffer's rows;
-each output row goes straight to the combine buffer of the rank it came from, at row
-``token * k + slot`` (the origin the dispatch stored beside the row). Padding rows of a
-block are computed but never stored. The last program to finish releases every peer's
-COMBINE_READY flag (protocol: ``sync``).
+``rows_gemm_combine_kernel``: persistent tiles of ``A W^T`` over the receive buffer's rows
+(``W`` per local expert ``[N, K]``, K-major: an N-major operand runs at a fraction of the
+speed); each output row goes straight to the combine buffer of
+the rank it came from, at row ``token * k + slot`` (the origin the dispatch stored beside
+the row). Padding rows of a block are computed but never stored. With ``SCORE_PARTS``,
+the programs then also sum each row's score-gradient parts in fixed order and push the
+sum to the source's ``score_grad[token * k + slot]``. The last program
+to finish releases every peer's COMBINE_READY flag (protocol: ``sync``).
 
 ``combine_reduce_kernel``: once every owner has released COMBINE_READY, each token's k
-rows are summed in fp32 in slot order 0..k-1 (times the scores unless they were applied
-before the experts): the result does not depend on arrival order, bit for bit.
+rows are summed in fp32 in slot order 0..k-1, times the scores when ``SCALE_BY_SCORE``: the
+result does not depend on arrival order, bit for bit. With ``SCORE_DOT`` it also writes
+``<row_j, x_t>`` per slot (the score gradient when the score scaled the expert input).
 """
 
 import triton
@@ -19,16 +25,27 @@ from titan_megamoe.kernels.sync import peer_pointer, signal, wait_all
 
 
 @triton.jit
-def gemm2_combine_kernel(
-    h, w2, recv_meta, combine, combine_ptrs, flags, flag_ptrs, state, local_base, local_rows,
+def _peer_offset(ptrs, source, rank, live, ELEM_BYTES: tl.constexpr, ALIGN: tl.constexpr):
+    """Per row: element offset from my copy of a symmetric buffer to ``source``'s copy
+    (offsets from the local copy keep the alignment known, see ``peer_pointer``)."""
+    offset = tl.load(ptrs + source, mask=live, other=0) - tl.load(ptrs + rank)
+    return tl.multiple_of(offset // ELEM_BYTES, ALIGN)
+
+
+@triton.jit
+def rows_gemm_combine_kernel(
+    a, w, recv_meta, combine, combine_ptrs, score_parts, score_grad,
+    score_grad_ptrs, flags, flag_ptrs, state, local_base, local_rows,
     rank, ep, local_experts, rows_per_rank,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, COMBINE_READY: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    n_tiles: tl.constexpr = tl.cdiv(HIDDEN, BLOCK_N)
+    """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``."""
+    n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
-    out_dtype = h.dtype.element_ty
+    out_dtype = combine.dtype.element_ty
+    elem: tl.constexpr = out_dtype.primitive_bitwidth // 8
     # A static stride (not a shared tile counter) lets the compiler flatten the tile and
     # K loops into one pipeline: the next tile's loads overlap this tile's epilogue.
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
@@ -39,31 +56,52 @@ def gemm2_combine_kernel(
 
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = (cols < HIDDEN) | (HIDDEN % BLOCK_N == 0)
+        col_ok = (cols < N) | (N % BLOCK_N == 0)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = h + rows[:, None].to(tl.int64) * INTER + ks[None, :]
-        b_ptrs = w2 + le.to(tl.int64) * HIDDEN * INTER + cols[None, :] * INTER + ks[:, None]
+        # Pointers built outside the K loop: offsets added inside it defeat pipelining.
+        a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
+        w_ptrs = w + le.to(tl.int64) * N * K + cols[None, :] * K + ks[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            k_ok = (k0 + ks < INTER) | (INTER % BLOCK_K == 0)
-            a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks < K) | (K % BLOCK_K == 0)
+            x1 = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            y1 = tl.load(w_ptrs + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             if UPCAST_DOT:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+                x1, y1 = x1.to(tl.float32), y1.to(tl.float32)
+            acc = tl.dot(x1, y1, acc)
 
         live = rows < end
         origin = tl.load(recv_meta + rows, mask=live, other=0)
         source = origin // rows_per_rank
         slot_row = (origin % rows_per_rank).to(tl.int64)
-        # Offsets from the local copy keep the 16-byte alignment known (see peer_pointer).
-        offset = tl.load(combine_ptrs + source, mask=live, other=0) - tl.load(combine_ptrs + rank)
-        offset = tl.multiple_of(offset // (tl.constexpr(out_dtype.primitive_bitwidth) // 8), 8)
+        offset = _peer_offset(combine_ptrs, source, rank, live, elem, 16 // elem)
         tl.store(
-            combine + (offset + slot_row * HIDDEN)[:, None] + cols[None, :],
+            combine + (offset + slot_row * N)[:, None] + cols[None, :],
             acc.to(out_dtype),
             mask=live[:, None] & col_ok[None, :],
         )
+
+    if SCORE_PARTS > 0:
+        # A loop of its own: inside the flattened tile loop this branch breaks the
+        # compiler's loop fusion.
+        parts = tl.arange(0, PARTS_PAD)
+        for block in range(tl.program_id(0), tl.load(state + NUM_BLOCKS), tl.num_programs(0)):
+            row0 = block * BLOCK_M
+            le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            live = rows < tl.load(local_base + le) + tl.load(local_rows + le)
+            ds = tl.sum(
+                tl.load(
+                    score_parts + rows[:, None].to(tl.int64) * SCORE_PARTS + parts[None, :],
+                    mask=live[:, None] & (parts[None, :] < SCORE_PARTS),
+                    other=0.0,
+                ),
+                axis=1,
+            )
+            origin = tl.load(recv_meta + rows, mask=live, other=0)
+            source = origin // rows_per_rank
+            offset = _peer_offset(score_grad_ptrs, source, rank, live, 4, 1)
+            tl.store(score_grad + offset + (origin % rows_per_rank), ds, mask=live)
 
     tl.debug_barrier()
     finished = tl.atomic_add(state + GEMM2_FINISHED, 1, sem="acq_rel", scope="sys")
@@ -75,26 +113,40 @@ def gemm2_combine_kernel(
 
 @triton.jit
 def combine_reduce_kernel(
-    combine, topk_w, y, flags, state, num_tokens, status_addr, rank, ep, max_spins,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
-    COMBINE_READY: tl.constexpr, EP_PAD: tl.constexpr,
+    combine, topk_w, x, out, score_dot, flags, state, num_tokens, status_addr, rank, ep,
+    max_spins,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCALE_BY_SCORE: tl.constexpr,
+    SCORE_DOT: tl.constexpr, COMBINE_READY: tl.constexpr, EP_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """``out[t] = sum_j c_j * combine[t * k + j]`` with ``c_j = topk_w[t, j]`` when
+    ``SCALE_BY_SCORE`` else 1; ``SCORE_DOT``: ``score_dot[t, j] = <combine[t * k + j], x[t]>``."""
     owners = tl.arange(0, EP_PAD)
     epoch = tl.load(state + EPOCH)
     wait_all(flags + COMBINE_READY + owners, owners, owners < ep, epoch, status_addr, rank, 3, max_spins)
     tl.debug_barrier()
 
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     live = tokens < num_tokens
-    mask = live[:, None] & (cols[None, :] < HIDDEN)
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        row = tokens.to(tl.int64) * TOP_K + slot
-        v = tl.load(combine + row[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SCORE_BEFORE_EXPERTS:
-            acc += v
-        else:
-            acc += v * tl.load(topk_w + row, mask=live, other=0.0)[:, None]
-    tl.store(y + tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :], acc.to(y.dtype.element_ty), mask=mask)
+    slots = tl.arange(0, K_PAD)
+    dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    for c0 in range(0, HIDDEN, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        mask = live[:, None] & (cols[None, :] < HIDDEN)
+        at = tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        if SCORE_DOT:
+            xt = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for slot in tl.static_range(TOP_K):
+            row = tokens.to(tl.int64) * TOP_K + slot
+            v = tl.load(combine + row[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if SCALE_BY_SCORE:
+                acc += v * tl.load(topk_w + row, mask=live, other=0.0)[:, None]
+            else:
+                acc += v
+            if SCORE_DOT:
+                dots += tl.where(slots[None, :] == slot, tl.sum(v * xt, axis=1)[:, None], 0.0)
+        tl.store(out + at, acc.to(out.dtype.element_ty), mask=mask)
+    if SCORE_DOT:
+        at = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+        tl.store(score_dot + at, dots, mask=live[:, None] & (slots[None, :] < TOP_K))

@@ -1,9 +1,9 @@
 """Routing layout: where every routed row goes, computed on the device, no host sync.
 
 Input: this rank's rows sorted by global expert (``send_start[e]`` .. ``send_start[e+1]``
-are its rows for expert ``e``). The kernel exchanges the per-expert counts with every
-peer (see ``sync``), so each rank holds the full matrix ``COUNTS[source, expert]`` and
-derives the same receive layout for every owner:
+are its rows for expert ``e``), and whether this rank needs its expert inputs sent. The
+kernel exchanges both with every peer (see ``sync``), so each rank holds the full matrix
+``COUNTS[source, expert]`` and derives the same receive layout for every owner:
 
 - the owner's receive buffer is expert-major; each local expert's rows start on a
   ``BLOCK_M`` boundary (``local_base``) so a GEMM tile never spans two experts;
@@ -52,9 +52,11 @@ def layout_kernel(
     rank,
     ep,
     local_experts,
+    needs_input,
     max_spins,
     COUNTS: tl.constexpr,
     COUNT_READY: tl.constexpr,
+    NEEDS_INPUT: tl.constexpr,
     EP_PAD: tl.constexpr,
     LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -75,6 +77,7 @@ def layout_kernel(
     for peer in range(ep):
         peer_flags = peer_pointer(flags, flag_ptrs, peer, rank)
         tl.store(peer_flags + COUNTS + rank * num_experts + e, sent, mask=valid)
+        tl.store(peer_flags + NEEDS_INPUT + rank, needs_input)
     tl.debug_barrier()
     for peer in range(ep):
         peer_flags = peer_pointer(flags, flag_ptrs, peer, rank)

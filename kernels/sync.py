@@ -1,4 +1,4 @@
-"""Cross-GPU synchronisation of the fused forward: the protocol, the flag buffer, waits.
+"""Cross-GPU synchronisation of the fused kernels: the protocol, the flag buffer, waits.
 
 Every rank owns one int32 *flag buffer* in symmetric memory (peers write into it over
 NVLink). All flags hold *epochs*: a rank's epoch counts the operator calls it has made,
@@ -6,20 +6,29 @@ lives on the device (``state[EPOCH]``) and is bumped by the layout kernel at the
 each call. A flag equal to the current epoch means "done in this call"; stale values from
 earlier calls never match, so flags are never reset.
 
-One call, on every rank (all launches on one stream, in this order)::
+A *call* is one forward or one backward of the operator; both start with the layout
+kernel. One call, on every rank (all launches on one stream, in this order)::
 
-    layout     write my per-expert counts into every peer's COUNTS[me]       (plain stores)
+    layout     write my per-expert counts into every peer's COUNTS[me], and
+               whether I need the expert inputs sent again: NEEDS_INPUT[me]   (plain stores)
                set every peer's COUNT_READY[me] = epoch                       (release, sys)
                wait COUNT_READY[s] == epoch for every source s               (acquire, sys)
                -> every rank derives the same receive layout from COUNTS
     dispatch   per chunk of <= BLOCK_M rows for one expert: store the rows and their
-               origin into the owner's receive buffer, then set the owner's
-               CHUNK_READY[me, expert, chunk] = epoch                         (release, sys)
+               origin into the owner's receive buffer (the backward: also the rows of
+               dy and the scores; the expert inputs only if the owner's NEEDS_INPUT),
+               then set the owner's CHUNK_READY[me, expert, chunk] = epoch    (release, sys)
     gemm1      a tile of rows waits for CHUNK_READY of every chunk its rows come from
-    gemm2      stores each output row into its source rank's combine buffer; the last
-               program to finish sets every peer's COMBINE_READY[me] = epoch  (release, sys)
+    gemm2      stores each output row into its source rank's combine buffer (the
+               backward: also each row's score gradient into the source's buffer); the
+               last program to finish sets every peer's COMBINE_READY[me] = epoch
+                                                                              (release, sys)
     reduce     waits COMBINE_READY[s] == epoch for every s, then sums the k rows of
                each token in slot order
+
+NEEDS_INPUT is each owner's own decision, published before anyone dispatches, so senders
+never disagree with it: an owner whose receive buffer still holds the rows of the forward
+being differentiated (no call in between) asks for the gradient rows alone.
 
 Why buffers can be reused without a barrier at the end of a call: a rank passes the
 layout's wait in call n+1 only after every peer has started call n+1, i.e. after each
@@ -70,9 +79,14 @@ class FlagLayout:
         return self.count_ready + self.ep
 
     @property
+    def needs_input(self) -> int:
+        """NEEDS_INPUT[owner]: this call must send the owner its expert-input rows."""
+        return self.combine_ready + self.ep
+
+    @property
     def chunk_ready(self) -> int:
         """CHUNK_READY[source, local expert, chunk]."""
-        return self.combine_ready + self.ep
+        return self.needs_input + self.ep
 
     @property
     def words(self) -> int:

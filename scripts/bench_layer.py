@@ -68,6 +68,8 @@ def parse_args():
     p.add_argument("--precision", default="bf16", help="mega_moe precision")
     p.add_argument("--backend", default="auto", help="mega_moe backend: auto | fused | reference")
     p.add_argument("--comm-sms", type=int, default=0, help="mega_moe fused: dispatching programs (0: default)")
+    p.add_argument("--save-gemm1", action="store_true",
+                   help="mega_moe fused: the forward keeps GEMM1's pre-activations for the backward")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="outputs/bench_layer")
@@ -196,7 +198,8 @@ def run_variant(layer, x, dy, timer, warmup, iters, forward_only):
     if not forward_only:
         times["backward_ms"] = statistics.median(bwd)
         times["fwd_bwd_ms"] = statistics.median([f + b for f, b in zip(fwd, bwd)])
-        grads = {"x": xi.grad, "w1": local(layer.experts.w1.grad), "gate": layer.router.gate.weight.grad}
+        grads = {"x": xi.grad, "gate": layer.router.gate.weight.grad}
+        grads.update({w: local(getattr(layer.experts, w).grad) for w in ("w1", "w2", "w3")})
         grads = {k: g.cpu() for k, g in grads.items()}
     for p in layer.parameters():
         p.grad = None
@@ -235,7 +238,9 @@ def measure(layer, x, dy, args, device, timer):
 
 def add_rates(result, fwd_flops, peak):
     """TFLOP/s and, with a measured peak, % of it; backward counted as twice the forward."""
-    rates = [("forward", fwd_flops)] + ([("fwd_bwd", 3 * fwd_flops)] if "fwd_bwd_ms" in result else [])
+    rates = [("forward", fwd_flops)]
+    if "fwd_bwd_ms" in result:
+        rates += [("backward", 2 * fwd_flops), ("fwd_bwd", 3 * fwd_flops)]
     for key, flops in rates:
         result[f"{key}_tflops"] = flops / (result[f"{key}_ms"] * 1e-3) / 1e12
         if peak:
@@ -260,7 +265,7 @@ def speedups(row) -> dict:
     if "mega_moe" not in row:
         return out
     for base in ("stock", "stock_compiled"):
-        for key in ("forward", "fwd_bwd"):
+        for key in ("forward", "backward", "fwd_bwd"):
             if base in row and f"{key}_ms" in row[base]:
                 out[f"{key}_vs_{base}"] = row[base][f"{key}_ms"] / row["mega_moe"][f"{key}_ms"]
     return out
@@ -322,7 +327,8 @@ def markdown(rows, meta) -> str:
     peak = meta["matmul_peak_tflops"]
     lines = [
         f"Layer A/B on {meta['device']} x{meta['ep']} (EP={meta['ep']}), {meta['dtype']}, "
-        f"mega_moe precision {meta['precision']} backend {meta['backend']}, comm_sms {meta['comm_sms']}; "
+        f"mega_moe precision {meta['precision']} backend {meta['backend']}, comm_sms {meta['comm_sms']}, "
+        f"{'GEMM1 saved' if meta['save_gemm1'] else 'GEMM1 recomputed'} in the backward; "
         f"{'forward only (no_grad)' if meta['forward_only'] else 'forward + backward'}; "
         f"median of {meta['iters']} iterations after {meta['warmup']} warmup"
         + (f"; bf16 matmul peak measured {peak:.0f} TFLOP/s" if peak else ""),
@@ -334,12 +340,13 @@ def markdown(rows, meta) -> str:
     ]
     if backward:
         header += [
+            "stock bwd ms", "mega bwd ms", "bwd speedup vs stock",
             "stock fwd+bwd ms", "stock compiled fwd+bwd ms", "mega fwd+bwd ms",
             "fwd+bwd speedup vs stock", "fwd+bwd speedup vs compiled",
         ]
     header += [
         "peak GiB stock / mega",
-        "mega max rel err vs stock (y, dx, dw1)" if backward else "mega max rel err vs stock (y)",
+        "mega max rel err vs stock (y, dx, dgate, dw1, dw2, dw3)" if backward else "mega max rel err vs stock (y)",
     ]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
@@ -357,12 +364,14 @@ def markdown(rows, meta) -> str:
         ]
         if backward:
             cells += [
+                _cell(_get(r, "stock", "backward_ms")), _cell(_get(r, "mega_moe", "backward_ms")),
+                _cell(speedup.get("backward_vs_stock"), "{:.2f}x"),
                 *(_cell(_get(r, v, "fwd_bwd_ms")) for v in VARIANTS),
                 _cell(speedup.get("fwd_bwd_vs_stock"), "{:.2f}x"),
                 _cell(speedup.get("fwd_bwd_vs_stock_compiled"), "{:.2f}x"),
             ]
         errors = _get(r, "mega_moe", "rel_err_vs_stock") or {}
-        keys = ("y", "dx", "dw1") if backward else ("y",)
+        keys = ("y", "dx", "dgate", "dw1", "dw2", "dw3") if backward else ("y",)
         cells += [
             f"{_cell(_get(r, 'stock', 'peak_memory_gib'))} / {_cell(_get(r, 'mega_moe', 'peak_memory_gib'))}",
             ", ".join(_cell(errors.get(k), "{:.1e}") for k in keys),
@@ -380,7 +389,9 @@ def plot(rows, variants, forward_only, path: Path) -> str:
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'titan-megamoe[plot]')"
     labels = [f"{r['shape']}\n{r['tokens_per_rank']:,} tok" for r in rows]
-    panels = [("forward_ms", "forward")] + ([] if forward_only else [("fwd_bwd_ms", "forward + backward")])
+    panels = [("forward_ms", "forward")]
+    if not forward_only:
+        panels += [("backward_ms", "backward"), ("fwd_bwd_ms", "forward + backward")]
     panel_width = max(5, 0.8 * len(rows) * len(variants))
     fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 4), squeeze=False)
     width = 0.8 / len(variants)
@@ -425,7 +436,8 @@ def main():
             print("[bench_layer] no CUDA: skipping stock_compiled (compiled as on GPUs only)", flush=True)
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     backend, why = resolve_backend(args.backend, device, args.precision)
-    settings = OperatorSettings(precision=args.precision, backend=backend, comm_sms=args.comm_sms)
+    settings = OperatorSettings(precision=args.precision, backend=backend, comm_sms=args.comm_sms,
+                                save_gemm1=args.save_gemm1)
     timer = Timer(device)
     peak = matmul_peak_tflops(device)
 
@@ -443,7 +455,8 @@ def main():
         meta = {
             "device": torch.cuda.get_device_name() if cuda else "cpu", "ep": world,
             "dtype": str(dtype).removeprefix("torch."), "precision": args.precision,
-            "backend": f"{backend} ({why})", "comm_sms": args.comm_sms, "variants": args.variants,
+            "backend": f"{backend} ({why})", "comm_sms": args.comm_sms, "save_gemm1": args.save_gemm1,
+            "variants": args.variants,
             "forward_only": args.forward_only, "iters": args.iters, "warmup": args.warmup,
             "matmul_peak_tflops": peak,
         }

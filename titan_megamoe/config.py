@@ -49,8 +49,12 @@ class MegaMoE:
     first expert GEMM (0 = the backend's default, 32)."""
 
     gemm1_activations: str = "recompute"
-    """What the backward does for the first expert GEMM's output:
-    ``recompute`` (less memory) or ``save`` (less compute)."""
+    """Fused backend: what the backward does for the first expert GEMM.
+    ``recompute``: runs it again from the received rows (keeps nothing per layer).
+    ``save``: the forward keeps its pre-activations, receive rows x 2 x moe_inter_dim in
+    bf16 per layer (the log states the size; 0.77 GiB for Qwen3-30B-A3B at 16,384
+    tokens, EP 2), and the backward skips a quarter of its GEMM work. Under full activation
+    checkpointing only the layer being recomputed holds them."""
 
     def __post_init__(self):
         _check_choice("mega_moe", "precision", self.precision, PRECISION_CHOICES)

@@ -66,14 +66,9 @@ FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "gemm1_activation
 
 
 def _note_fused_only_settings(cfg, backend: str) -> None:
-    defaults = type(cfg)()
     if backend == "fused":
-        if cfg.gemm1_activations != defaults.gemm1_activations:
-            logger.warning(
-                f"mega_moe: gemm1_activations = {cfg.gemm1_activations!r} has no effect yet: "
-                "the fused backend's backward is the reference one, which recomputes"
-            )
         return
+    defaults = type(cfg)()
     changed = [f"{k} = {getattr(cfg, k)!r}" for k in FUSED_ONLY_SETTINGS if getattr(cfg, k) != getattr(defaults, k)]
     if changed:
         logger.warning(
@@ -117,7 +112,11 @@ class MegaMoEConverter:
             job_config.training.local_batch_size * job_config.training.seq_len
         )
         self.settings = OperatorSettings(
-            precision=precision, backend=backend, capacity_tokens=capacity, comm_sms=cfg.comm_sms
+            precision=precision,
+            backend=backend,
+            capacity_tokens=capacity,
+            comm_sms=cfg.comm_sms,
+            save_gemm1=cfg.gemm1_activations == "save",
         )
         logger.info(
             f"mega_moe: routed experts run precision '{precision}' (from {source}) "

@@ -28,6 +28,8 @@ class OperatorSettings:
     """Fused backend: most tokens a rank feeds one layer (sizes its buffers)."""
     comm_sms: int = 0
     """Fused backend: programs that dispatch before joining GEMM1 (0: its default)."""
+    save_gemm1: bool = False
+    """Fused backend: keep GEMM1's pre-activations for the backward (else recompute)."""
 
 
 class RouterScores:
@@ -84,6 +86,7 @@ class MegaExperts(GroupedExperts):
             backend=self.settings.backend,
             capacity_tokens=self.settings.capacity_tokens,
             comm_sms=self.settings.comm_sms,
+            save_gemm1=self.settings.save_gemm1,
         )
         return y
 

@@ -24,18 +24,32 @@ class Backend:
     """One implementation of the operator.
 
     ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, precision,
-    capacity_tokens, comm_sms)``; ``backward`` takes ``dy`` first and no tuning knobs.
+    capacity_tokens, comm_sms, save_gemm1) -> (y, tokens per local expert, saved)``;
+    ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group, score_before_experts,
+    precision, capacity_tokens, comm_sms) -> (dx, d_topk_w, dw1, dw2, dw3)``, where
+    ``saved`` is what the forward kept for it (GEMM1's pre-activations, or 0 rows);
+    ``saved_shape(x, topk_idx, w1, group, capacity_tokens, save_gemm1)`` is its shape.
     ``unsupported(device, precision, ep_within_node)`` says why it cannot run there, or
     None.
     """
 
-    forward: Callable[..., tuple[Tensor, Tensor]]
+    forward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
+    saved_shape: Callable[..., tuple[int, int]]
     unsupported: Callable[[torch.device, str, bool], str | None]
 
 
-def _reference_forward(*args, capacity_tokens: int, comm_sms: int):
-    return reference.moe_forward(*args)
+def _nothing_saved(x, topk_idx, w1, *_):
+    return 0, 2 * w1.shape[1]
+
+
+def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, *args, capacity_tokens, comm_sms, save_gemm1):
+    y, tokens_per_expert = reference.moe_forward(x, topk_idx, topk_w, w1, w2, w3, *args)
+    return y, tokens_per_expert, x.new_empty(_nothing_saved(x, topk_idx, w1))
+
+
+def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, *args, capacity_tokens, comm_sms):
+    return reference.moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, *args)
 
 
 def _fused_unsupported(device: torch.device, precision: str, ep_within_node: bool) -> str | None:
@@ -44,9 +58,17 @@ def _fused_unsupported(device: torch.device, precision: str, ep_within_node: boo
     return fused.unsupported_reason(device, precision)
 
 
+def _fused_forward(*args, capacity_tokens, comm_sms, save_gemm1):
+    return fused.moe_forward(*args, capacity_tokens, comm_sms, save_gemm1)
+
+
+def _fused_backward(*args, capacity_tokens, comm_sms):
+    return fused.moe_backward(*args, capacity_tokens, comm_sms)
+
+
 BACKENDS: dict[str, Backend] = {
-    "fused": Backend(fused.moe_forward, reference.moe_backward, _fused_unsupported),
-    "reference": Backend(_reference_forward, reference.moe_backward, lambda *_: None),
+    "fused": Backend(_fused_forward, _fused_backward, fused.saved_preact_shape, _fused_unsupported),
+    "reference": Backend(_reference_forward, _reference_backward, _nothing_saved, lambda *_: None),
 }
 """Implementations, by name, fastest first (``auto`` takes the first that can run)."""
 
@@ -96,17 +118,19 @@ def moe_forward(
     backend: str,
     capacity_tokens: int,
     comm_sms: int,
-) -> tuple[Tensor, Tensor]:
+    save_gemm1: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     return BACKENDS[backend].forward(
         x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision,
-        capacity_tokens=capacity_tokens, comm_sms=comm_sms,
+        capacity_tokens=capacity_tokens, comm_sms=comm_sms, save_gemm1=save_gemm1,
     )
 
 
 @moe_forward.register_fake
 def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
-      capacity_tokens, comm_sms):
-    return torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64)
+      capacity_tokens, comm_sms, save_gemm1):
+    saved = BACKENDS[backend].saved_shape(x, topk_idx, w1, _group(group_name), capacity_tokens, save_gemm1)
+    return torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64), x.new_empty(saved)
 
 
 @torch.library.custom_op("titan_megamoe::moe_backward", mutates_args=())
@@ -118,6 +142,7 @@ def moe_backward(
     w1: Tensor,
     w2: Tensor,
     w3: Tensor,
+    saved: Tensor,
     group_name: str,
     score_before_experts: bool,
     precision: str,
@@ -126,28 +151,30 @@ def moe_backward(
     comm_sms: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return BACKENDS[backend].backward(
-        dy, x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision
+        dy, x, topk_idx, topk_w, w1, w2, w3, saved, _group(group_name), score_before_experts,
+        precision, capacity_tokens=capacity_tokens, comm_sms=comm_sms,
     )
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
-      capacity_tokens, comm_sms):
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group_name, score_before_experts, precision,
+      backend, capacity_tokens, comm_sms):
     return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
 
 
 _NON_TENSOR_ARGS = (
     "group_name", "score_before_experts", "precision", "backend", "capacity_tokens", "comm_sms",
+    "save_gemm1",
 )
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_w, w1, w2, w3, *options = inputs
-    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3)
-    ctx.options = options
+    ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, output[2])
+    ctx.options = options[:-1]  # all but save_gemm1, which only the forward takes
 
 
-def _backward(ctx, dy, _d_tokens_per_local_expert):
+def _backward(ctx, dy, _d_tokens_per_local_expert, _d_saved):
     grads = moe_backward(dy.contiguous(), *ctx.saved_tensors, *ctx.options)
     dx, d_topk_w, dw1, dw2, dw3 = grads
     return (dx, None, d_topk_w, dw1, dw2, dw3) + (None,) * len(_NON_TENSOR_ARGS)
@@ -199,6 +226,7 @@ def mega_moe(
     backend: str,
     capacity_tokens: int = 0,
     comm_sms: int = 0,
+    save_gemm1: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Routed experts of one MoE layer, expert-parallel over ``group``.
 
@@ -214,6 +242,8 @@ def mega_moe(
         capacity_tokens: (fused) most tokens any rank of ``group`` passes; sizes the
             buffers. 0: this call's token count (then every rank must pass as many).
         comm_sms: (fused) programs that dispatch before joining GEMM1; 0: the default.
+        save_gemm1: (fused) keep GEMM1's pre-activations for the backward instead of
+            recomputing them (more memory, less compute).
 
     Returns:
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
@@ -222,7 +252,8 @@ def mega_moe(
     get_precision(precision)
     resolve_backend(backend, x.device, precision)  # raises with the reason
     group_name = "" if group is None else group.group_name
-    return torch.ops.titan_megamoe.moe_forward(
+    y, tokens_per_local_expert, _saved = torch.ops.titan_megamoe.moe_forward(
         x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
-        capacity_tokens, comm_sms,
+        capacity_tokens, comm_sms, save_gemm1,
     )
+    return y, tokens_per_local_expert

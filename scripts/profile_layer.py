@@ -1,12 +1,14 @@
-"""Where the fused forward's time goes: per-kernel GPU time from the PyTorch profiler.
+"""Where the fused operator's time goes: per-kernel GPU time from the PyTorch profiler.
 
-    torchrun --nproc_per_node=N scripts/profile_forward.py --shape 30B-A3B --tokens 16384
+    torchrun --nproc_per_node=N scripts/profile_layer.py --shape 30B-A3B --tokens 16384 [--backward]
 
 Random routing (softmax of random logits, top-k), EP = every rank, bf16. Prints, on rank
 0, each kernel's mean time per call and the wall time per call, for every ``--comm-sms``
 value and every ``--tiles`` variant of the SM90 tile table (e.g.
 ``--tiles "" "gemm2_n=128,num_stages=4"``: the table as is, then with those fields
-changed); writes ``profile_forward.json``.
+changed). ``--backward`` times forward + backward (the kernels of both passes; the
+backward's own are ``dispatch_grad_gemm1``, the second ``rows_gemm_combine`` and the
+grouped weight-gradient GEMMs). Writes ``profile_layer.json``.
 """
 
 import argparse
@@ -45,14 +47,19 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--comm-sms", default="16", help="comma-separated values to compare")
     p.add_argument("--tiles", nargs="*", default=[""], help="tile-table variants: field=value,...")
+    p.add_argument("--backward", action="store_true", help="forward + backward per call")
+    p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default="outputs/profile_forward")
+    p.add_argument("--out", default="outputs/profile_layer")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD if world > 1 else None
     args_in = inputs(args.shape, args.tokens, rank, world)
+    x, *rest = args_in
+    x = x.requires_grad_(args.backward)
+    dy = torch.randn_like(x)
     results = {}
     table = configs.TILE_CONFIGS["sm90"]
     variants = [(comm, tiles) for tiles in args.tiles for comm in (int(c) for c in args.comm_sms.split(","))]
@@ -60,11 +67,14 @@ def main():
         changes = dict(kv.split("=") for kv in tiles.split(",") if kv)
         configs.TILE_CONFIGS["sm90"] = dataclasses.replace(table, **{k: int(v) for k, v in changes.items()})
         fused._BUFFERS.clear()  # buffers follow the tile table (block_m)
+        fused._GRAD_BUFFERS.clear()
         label = f"comm_sms={comm_sms} tiles={tiles or 'table'}"
 
         def call():
-            return mega_moe(*args_in, group, score_before_experts=False, precision="bf16",
-                            backend="fused", comm_sms=comm_sms)
+            y, _ = mega_moe(x, *rest, group, score_before_experts=False, precision="bf16",
+                            backend="fused", comm_sms=comm_sms, save_gemm1=args.save_gemm1)
+            if args.backward:
+                y.backward(dy)
 
         for _ in range(3):
             call()
@@ -84,12 +94,13 @@ def main():
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "kernels_ms": dict(kernels)}
     if rank == 0:
         for label, r in results.items():
-            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {label}: {r['wall_ms']:.3f} ms per call")
+            what = "forward + backward" if args.backward else "forward"
+            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {what} {label}: {r['wall_ms']:.3f} ms per call")
             for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
                 print(f"    {ms:8.3f} ms  {name}")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "profile_forward.json").write_text(json.dumps({"args": vars(args), "ep": world, "results": results}, indent=2))
+        (out / "profile_layer.json").write_text(json.dumps({"args": vars(args), "ep": world, "results": results}, indent=2))
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
-"""The fused forward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts) against the
-reference backend and an fp32 reference: adversarial routings, poisoned buffers,
+"""The fused forward and backward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts)
+against the reference backend and an fp32 reference (output and every gradient):
+adversarial routings, both score modes, GEMM1 recomputed and saved, poisoned buffers,
 determinism, no host synchronisation, and a timed-out peer."""
 
 import pytest
@@ -52,6 +53,12 @@ def _poison_buffers():
     for buffers in fused._BUFFERS.values():
         for t in (buffers.recv, buffers.combine, buffers.h):
             t.fill_(float("nan"))
+    for grad in fused._GRAD_BUFFERS.values():
+        for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
+            t.fill_(float("nan"))
+
+
+OUTPUTS = ("y", "dx", "d_topk_w", "dw1", "dw2", "dw3")
 
 
 def _check_scenarios(rank: int, world: int):
@@ -61,37 +68,48 @@ def _check_scenarios(rank: int, world: int):
     group = dist.group.WORLD if world > 1 else None
     capacity = TOKENS
 
-    def run(backend, x, idx, w, w1, w2, w3, score_before):
-        return mega_moe(x, idx, w, w1, w2, w3, group, score_before_experts=score_before,
-                        precision="bf16", backend=backend, capacity_tokens=capacity)
+    def run(backend, problem, dy, score_before, save_gemm1=False, dtype=torch.bfloat16):
+        x, idx, w, w1, w2, w3 = problem
+        leaves = [t.detach().clone().to(dtype).requires_grad_(True) for t in (x, w1, w2, w3)]
+        w = w.clone().requires_grad_(True)
+        y, counts = mega_moe(leaves[0], idx, w, *leaves[1:], group, score_before_experts=score_before,
+                             precision="bf16", backend=backend, capacity_tokens=capacity,
+                             save_gemm1=save_gemm1)
+        y.backward(dy.to(dtype))
+        return [y.detach(), leaves[0].grad, w.grad] + [t.grad for t in leaves[1:]], counts
 
     kinds = list(TOKENS_BY_KIND) if world > 1 else ["random", "one_hot_expert", "single_token"]
     for seed, kind in enumerate(kinds):
-        for score_before in (False, True):
-            x, idx, w, w1, w2, w3 = _problem(kind, rank, world, seed)
+        for score_before, save_gemm1 in ((False, False), (True, True)):
+            problem = _problem(kind, rank, world, seed)
+            dy = torch.randn_like(problem[0])
             _poison_buffers()
-            y, counts = run("fused", x, idx, w, w1, w2, w3, score_before)
-            y_ref, counts_ref = run("reference", x, idx, w, w1, w2, w3, score_before)
-            y32, _ = run("reference", x.float(), idx, w, w1.float(), w2.float(), w3.float(), score_before)
+            got, counts = run("fused", problem, dy, score_before, save_gemm1)
+            ref, counts_ref = run("reference", problem, dy, score_before)
+            ref32, _ = run("reference", problem, dy, score_before, dtype=torch.float32)
             torch.cuda.synchronize()
-            assert torch.isfinite(y).all(), (kind, score_before)
-            err_ref, err32 = relative_error(y, y_ref), relative_error(y, y32)
-            print(f"rank {rank} {kind} score_before={score_before}: vs reference {err_ref:.2e}, vs fp32 {err32:.2e}")
-            assert err_ref < BF16_TOLERANCE and err32 < BF16_TOLERANCE, (kind, score_before, err_ref, err32)
+            for name, a, b, b32 in zip(OUTPUTS, got, ref, ref32):
+                assert torch.isfinite(a).all(), (kind, score_before, name)
+                err_ref, err32 = relative_error(a, b), relative_error(a, b32)
+                print(f"rank {rank} {kind} score_before={score_before} save={save_gemm1} {name}: "
+                      f"vs reference {err_ref:.2e}, vs fp32 {err32:.2e}")
+                assert err_ref < BF16_TOLERANCE and err32 < BF16_TOLERANCE, (kind, score_before, name, err_ref, err32)
             assert torch.equal(counts, counts_ref), kind
 
-    x, idx, w, w1, w2, w3 = _problem("random", rank, world, 7)
-    first, _ = run("fused", x, idx, w, w1, w2, w3, False)
+    problem = _problem("random", rank, world, 7)
+    dy = torch.randn_like(problem[0])
+    first, _ = run("fused", problem, dy, False)
     for _ in range(3):
         _poison_buffers()
-        again, _ = run("fused", x, idx, w, w1, w2, w3, False)
-        assert torch.equal(first, again), "not deterministic run to run"
+        again, _ = run("fused", problem, dy, False)
+        for name, a, b in zip(OUTPUTS, first, again):
+            assert torch.equal(a, b), f"{name} not deterministic run to run"
 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(2):
-            run("fused", x, idx, w, w1, w2, w3, False)
+            run("fused", problem, dy, False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

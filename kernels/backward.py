@@ -1,0 +1,150 @@
+"""Host side of the fused backward: the buffers it adds to the forward's and its launches.
+
+One call (all on the current stream, no host synchronisation):
+
+1. ``route``: the rows' send order is re-derived from ``topk_idx`` (a stable sort, so it
+   is the forward's) and the layout kernel runs again: the same receive layout, and a
+   new epoch whose count exchange is the call's start barrier (``sync``). A rank whose
+   receive buffer still holds this forward's expert inputs (the forward was the last
+   call on these buffers, as under full activation checkpointing, where the layer's
+   forward is recomputed right before its backward) asks for the gradient rows alone.
+2. ``dispatch_grad_gemm1_kernel``: expert inputs, ``dy`` rows and scores to the owners;
+   GEMM1 recomputed (or read back from the forward's ``preact``), ``dy W2``, SwiGLU
+   backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts.
+3. ``rows_gemm_combine_kernel``: ``dab [W1 | W3]`` pushed to the source ranks' combine
+   buffers, the score gradients to their ``score_grad``; COMBINE_READY.
+4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
+   blocks (offsets are each expert's block-aligned end, read on the device):
+   ``dW2 = dy^T h_wgrad``, ``[dW1 | dW3] = dab^T x``. They run while the peers may still
+   be pushing this rank's rows.
+5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
+   the score gradient when the score scaled the expert input).
+"""
+
+import torch
+import triton
+
+from titan_megamoe.kernels.backward_dispatch_gemm1 import dispatch_grad_gemm1_kernel
+from titan_megamoe.kernels.forward import (
+    INTERPRET,
+    ForwardBuffers,
+    SymmetricAllocator,
+    check_call,
+    inputs_key,
+    pad,
+    preact_shape,
+    reduce,
+    route,
+)
+from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
+from titan_megamoe.kernels.transpose import transpose_into
+
+
+class GradBuffers:
+    """What the backward adds to a ``ForwardBuffers`` (same group and shape), allocated on
+    the first backward: symmetric receive buffers for the ``dy`` rows and the scores, and
+    the buffer the owners return score gradients into."""
+
+    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator):
+        shape = forward.shape
+        rows = forward.recv.shape[0]
+        self.recv_grad, self.recv_grad_ptrs = symmetric((rows, shape.hidden), shape.dtype)
+        self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
+        self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
+
+    @property
+    def symmetric_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.recv_grad, self.recv_score, self.score_grad))
+
+
+def per_call_bytes(forward: ForwardBuffers) -> int:
+    """Bytes a backward call takes from the caching allocator besides its outputs: ``dab``,
+    the score-gradient parts and the transposed weights (the GEMMs read every operand
+    K-major)."""
+    shape, tiles = forward.shape, forward.tiles
+    rows = forward.recv.shape[0]
+    parts = triton.cdiv(shape.inter, tiles.grad1_n)
+    weights = 3 * shape.local_experts * shape.inter * shape.hidden
+    return (rows * 2 * shape.inter + weights) * forward.h.element_size() + rows * 4 * parts
+
+
+def fused_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    preact: torch.Tensor | None,
+    buffers: ForwardBuffers,
+    grad: GradBuffers,
+    score_before_experts: bool,
+    comm_programs: int,
+    num_programs: int,
+    max_spins: int,
+) -> tuple[torch.Tensor, ...]:
+    """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
+    forward's saved pre-activations (``preact_shape``), or None to recompute GEMM1."""
+    shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
+    num_tokens, top_k = topk_idx.shape
+    check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
+    if preact is not None and tuple(preact.shape) != preact_shape(shape, tiles):
+        raise ValueError(
+            f"saved pre-activations have shape {tuple(preact.shape)}; expected {preact_shape(shape, tiles)}"
+        )
+    ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
+    resident = buffers.resident == (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
+    order, send_start, _ = route(topk_idx, buffers, max_spins, needs_input=not resident)
+
+    rows = buffers.recv.shape[0]
+    block_n = tiles.grad1_n
+    parts = triton.cdiv(shape.inter, block_n)
+    dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
+    h_wgrad = buffers.h
+    # K-major copies of the weights as the backward's GEMMs read them.
+    experts = shape.local_experts
+    w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
+    w13t = torch.empty(experts, shape.hidden, 2 * shape.inter, dtype=w1.dtype, device=w1.device)
+    transpose_into(w2, w2t, 0, tiles.transpose_block)
+    transpose_into(w1, w13t, 0, tiles.transpose_block)
+    transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
+    score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
+    dispatch_grad_gemm1_kernel[(num_programs,)](
+        x, dy, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
+        buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
+        buffers.flag_ptrs, buffers.recv, grad.recv_grad, grad.recv_score, buffers.recv_meta,
+        buffers.flags, buffers.state, buffers.local_base, buffers.local_rows, buffers.src_offset,
+        buffers.src_rows, w1, w2t, w3, dab if preact is None else preact, h_wgrad, dab, score_parts, buffers.status.data_ptr(), shape.rank, shape.ep, shape.local_experts,
+        shape.rows_per_rank, max_spins,
+        HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
+        SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
+        COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
+        MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
+        UPCAST_DOT=INTERPRET, num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
+    )
+    rows_gemm_combine_kernel[(num_programs,)](
+        dab, w13t, buffers.recv_meta, buffers.combine, buffers.combine_ptrs, score_parts,
+        grad.score_grad, grad.score_grad_ptrs, buffers.flags, buffers.flag_ptrs, buffers.state,
+        buffers.local_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts,
+        shape.rows_per_rank,
+        N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
+        PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
+        UPCAST_DOT=INTERPRET, num_warps=tiles.dgrad_warps, num_stages=tiles.dgrad_stages,
+    )
+
+    bm = tiles.block_m
+    ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
+    dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
+    dw1, dw3 = torch._grouped_mm(dab.t(), buffers.recv, offs=ends).chunk(2, dim=1)
+
+    dx = torch.empty_like(x)
+    d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    reduce(buffers, topk_w, x, dx, d_topk_w, num_tokens, top_k,
+           scale_by_score=score_before_experts, score_dot=score_before_experts, max_spins=max_spins)
+    if not score_before_experts:
+        d_topk_w.copy_(grad.score_grad[: num_tokens * top_k].view(num_tokens, top_k))
+    return dx, d_topk_w, dw1.contiguous(), dw2, dw3.contiguous()

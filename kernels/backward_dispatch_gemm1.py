@@ -1,0 +1,131 @@
+"""Backward, first half: dispatch + GEMM1 (recomputed or read back) + ``dY W2`` + SwiGLU
+backward, in one persistent kernel, the transpose of ``dispatch_gemm1``.
+
+Programs ``0 .. COMM_PROGRAMS-1`` push, per item (<= BLOCK_M rows of one expert), the
+output-gradient rows ``dy`` and the scores into the owner's receive buffers, and the
+expert input rows (as the forward did) unless the owner still holds them from the
+forward (its NEEDS_INPUT flag), then release CHUNK_READY (protocol: ``sync``). Every
+program then takes tiles (BLOCK_M rows x BLOCK_N intermediate columns) from a device
+counter in arrival order; a tile waits only for the chunks its rows come from, and:
+
+- has the pre-activations ``g = x W1^T``, ``u = x W3^T`` (recomputed, or read from the
+  forward's ``preact`` when it saved them);
+- computes ``d = dy W2`` (the gradient reaching ``h`` before the score), from ``w2t``,
+  W2 transposed per expert to ``[I, H]`` (K-major: an N-major operand runs at a fraction
+  of the speed);
+- stores the partial score gradient ``<h, d>`` over its columns (``score_parts``, summed
+  in fixed order by the next kernel), and with ``dh = score * d`` (or ``d`` when the score
+  was applied before the experts), ``da = dh * u * silu'(g)``, ``db = dh * silu(g)``, into
+  ``dab = [da | db]`` (``[rows, 2I]``, the A operand of ``dx = dab [W1 | W3]``);
+- stores ``h_wgrad = score * h`` (or ``h``), the operand of ``dW2 = dy^T h_wgrad``.
+
+Padding rows of an expert's last block are stored as zeros (``dab``, ``h_wgrad``,
+and the received ``x`` and ``dy`` rows), so the weight-gradient GEMMs may run over whole
+blocks whatever the buffers held before.
+"""
+
+import triton
+import triton.language as tl
+
+from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_rows
+from titan_megamoe.kernels.layout import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS, expert_of_row
+
+
+@triton.jit
+def dispatch_grad_gemm1_kernel(
+    x, dy, topk_w, order, send_start, dest_start, item_start,
+    recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
+    recv, recv_grad, recv_score, recv_meta, flags, state, local_base, local_rows, src_offset,
+    src_rows, w1, w2t, w3, preact, h_wgrad, dab, score_parts,
+    status_addr, rank, ep, local_experts, rows_per_rank, max_spins,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+    NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.load(state + EPOCH)
+    if pid < COMM_PROGRAMS:
+        for item in range(pid, tl.load(state + NUM_ITEMS), COMM_PROGRAMS):
+            dispatch_item(
+                item, x, dy, topk_w, order, send_start, dest_start, item_start,
+                recv, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
+                meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS,
+            )
+
+    n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
+    num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
+    out_dtype = dab.dtype.element_ty
+    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+    while tile < num_tiles:
+        row0 = (tile // n_tiles) * BLOCK_M
+        n_tile = tile % n_tiles
+        le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
+        base = tl.load(local_base + le)
+        end = base + tl.load(local_rows + le)
+        wait_rows(
+            flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep,
+            local_experts, max_spins, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+        )
+
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+        live = rows < end
+        if RECOMPUTE:
+            g, u = gate_up(
+                recv, w1, w3, le, rows, cols, col_ok, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
+                UPCAST_DOT,
+            )
+        else:
+            at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
+            g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            u = tl.load(at + INTER, mask=col_ok[None, :], other=0.0).to(tl.float32)
+
+        # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
+        ks = tl.arange(0, BLOCK_K)
+        dy_ptrs = recv_grad + rows[:, None] * HIDDEN + ks[None, :]
+        w2t_ptrs = w2t + le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
+        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
+            a = tl.load(dy_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w2t_ptrs + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST_DOT:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            d = tl.dot(a, b, d)
+
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        h = silu * u
+        tl.store(score_parts + rows * n_tiles + n_tile, tl.sum(h * d, axis=1), mask=live)
+        if SCORE_BEFORE_EXPERTS:
+            dh = d
+        else:
+            score = tl.load(recv_score + rows, mask=live, other=0.0)
+            dh = d * score[:, None]
+            h = h * score[:, None]
+        keep = live[:, None] & col_ok[None, :]
+        mask = col_ok[None, :]
+        at = dab + rows[:, None] * (2 * INTER) + cols[None, :]
+        tl.store(at, tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0).to(out_dtype), mask=mask)
+        tl.store(at + INTER, tl.where(keep, dh * silu, 0.0).to(out_dtype), mask=mask)
+        at = h_wgrad + rows[:, None] * INTER + cols[None, :]
+        tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
+
+        if (n_tile == 0) & (end < row0 + BLOCK_M):
+            # Zero the received rows past the expert's end: the weight-gradient GEMMs read
+            # whole blocks. Other tiles of this block may still read them; their results
+            # for those rows are masked to zero above, so either value is harmless.
+            pad = rows >= end
+            zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=out_dtype)
+            for c0 in range(0, HIDDEN, BLOCK_K):
+                at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
+                zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
+                tl.store(recv + at_x, zero, mask=zmask)
+                tl.store(recv_grad + at_x, zero, mask=zmask)
+        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
