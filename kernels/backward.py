@@ -15,8 +15,8 @@ One call (all on the current stream, no host synchronisation):
    buffers, the score gradients to their ``score_grad``; COMBINE_READY.
 4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
    blocks (offsets are each expert's block-aligned end, read on the device):
-   ``dW2 = dy^T h_wgrad``, ``[dW1 | dW3] = dab^T x``. They run while the peers may still
-   be pushing this rank's rows.
+   ``dW2 = dy^T h_wgrad``, ``dW1 = da^T x``, ``dW3 = db^T x``. They run while the peers
+   may still be pushing this rank's rows.
 5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
    the score gradient when the score scaled the expert input).
 """
@@ -98,7 +98,7 @@ def fused_backward(
     order, send_start, _ = route(topk_idx, buffers, max_spins, needs_input=not resident)
 
     rows = buffers.recv.shape[0]
-    block_n = tiles.grad1_n
+    block_n = tiles.grad1_n if preact is None else tiles.grad1_saved_n
     parts = triton.cdiv(shape.inter, block_n)
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
     h_wgrad = buffers.h
@@ -139,7 +139,8 @@ def fused_backward(
     bm = tiles.block_m
     ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
     dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
-    dw1, dw3 = torch._grouped_mm(dab.t(), buffers.recv, offs=ends).chunk(2, dim=1)
+    dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), buffers.recv, offs=ends)
+    dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), buffers.recv, offs=ends)
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
@@ -147,4 +148,4 @@ def fused_backward(
            scale_by_score=score_before_experts, score_dot=score_before_experts, max_spins=max_spins)
     if not score_before_experts:
         d_topk_w.copy_(grad.score_grad[: num_tokens * top_k].view(num_tokens, top_k))
-    return dx, d_topk_w, dw1.contiguous(), dw2, dw3.contiguous()
+    return dx, d_topk_w, dw1, dw2, dw3

@@ -21,6 +21,8 @@ class TileConfig:
     grad1_n: int
     """Backward, first kernel: intermediate columns per tile (three accumulators: gate, up
     and ``dy W2``)."""
+    grad1_saved_n: int
+    """The same when GEMM1 was saved (one accumulator: ``dy W2``)."""
     grad1_k: int
     grad1_warps: int
     grad1_stages: int
@@ -42,7 +44,7 @@ TILE_CONFIGS = {
     # H100/H200 (measured on H200, docs/perf.md): GEMM1 128x(2x128)x64 in 4 stages,
     # GEMM2 128x256x64 in 3 stages, 8 warps each; backward 128x(3x64)x64 in 4 stages and
     # 128x256x64 (dgrad, as GEMM2) in 3, 8 warps.
-    "sm90": TileConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, 64, 64, 8, 4, 256, 64, 8, 3, 16, 512, 16, 512, 64),
+    "sm90": TileConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, 64, 128, 64, 8, 4, 256, 64, 8, 3, 16, 512, 16, 512, 64),
     # Tiny tiles for the Triton interpreter (CPU tests).
-    "interpret": TileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, 4, 16, 4, 16, 16),
+    "interpret": TileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1, 16, 32, 16, 4, 1, 16, 16, 4, 1, 4, 16, 4, 16, 16),
 }
