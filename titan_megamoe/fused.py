@@ -162,12 +162,7 @@ def moe_forward(
     preact = x.new_empty(saved_preact_shape(x, topk_idx, w1, group, capacity_tokens, save_gemm1))
     comm_programs, num_programs = _programs(x, comm_sms)
     y, tokens_per_expert = fused_forward(
-        x.contiguous(),
-        topk_idx.contiguous(),
-        topk_w.contiguous(),
-        w1.contiguous(),
-        w2.contiguous(),
-        w3.contiguous(),
+        *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         buffers,
         score_before_experts,
         comm_programs,
@@ -200,13 +195,7 @@ def moe_backward(
     grad = _grad_buffers(group, x.device, shape)
     comm_programs, num_programs = _programs(x, comm_sms)
     return fused_backward(
-        dy.contiguous(),
-        x.contiguous(),
-        topk_idx.contiguous(),
-        topk_w.contiguous(),
-        w1.contiguous(),
-        w2.contiguous(),
-        w3.contiguous(),
+        *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         preact if preact.shape[0] else None,
         buffers,
         grad,

@@ -124,3 +124,14 @@ def check_ep_rank(rank, world_size, routing, score_before, precision, tolerance,
     assert torch.equal(counts, torch.bincount(all_idx.flatten(), minlength=EXPERTS)[shard])
 
 
+def poison_fused_buffers() -> None:
+    """NaN in every buffer the fused backend keeps between calls, so that rows a kernel
+    fails to write show up in its results."""
+    from titan_megamoe import fused
+
+    for buffers in fused._BUFFERS.values():
+        for t in (buffers.recv, buffers.combine, buffers.h):
+            t.fill_(float("nan"))
+    for grad in fused._GRAD_BUFFERS.values():
+        for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
+            t.fill_(float("nan"))

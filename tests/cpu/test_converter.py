@@ -9,7 +9,6 @@ import torch
 
 import titan_megamoe.config  # noqa: F401  (registers the converter)
 from problems import rel_err
-from titan_megamoe import reference
 from titan_megamoe.config import MegaMoE as MegaMoESection
 from titan_megamoe.converter import MegaMoEConverter
 from titan_megamoe.layer import MegaMoE

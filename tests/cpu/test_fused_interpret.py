@@ -11,6 +11,7 @@ runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
 import pytest
 import torch
 
+from problems import poison_fused_buffers
 from ranks import run_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 48, 8, 3
@@ -31,17 +32,6 @@ def _problem(num_tokens: int, routing: str, seed: int, dtype=torch.float32):
     return x, idx, w, w1, w2, w3
 
 
-def _poison():
-    from titan_megamoe import fused
-
-    for buffers in fused._BUFFERS.values():
-        for t in (buffers.recv, buffers.combine, buffers.h):
-            t.fill_(float("nan"))
-    for grad in fused._GRAD_BUFFERS.values():
-        for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
-            t.fill_(float("nan"))
-
-
 GRADIENTS = ("dx", "d_topk_w", "dw1", "dw2", "dw3")
 
 
@@ -56,7 +46,7 @@ def _check_against_reference(rank, world, dtype, tolerance):
         case = (num_tokens, routing, score_before, save)
 
         def fused_call():
-            _poison()
+            poison_fused_buffers()
             y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, "bf16", 40, 0, save)
             assert preact.shape[0] == (fused.saved_preact_shape(x, idx, w1, None, 40, True)[0] if save else 0)
             grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, "bf16", 40, 0)
@@ -96,7 +86,7 @@ def _check_input_reuse(dtype, tolerance):
 
     problems = [_problem(37, "random", seed=1, dtype=dtype), _problem(20, "skewed", seed=2, dtype=dtype)]
     dys = [torch.randn(p[0].shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, p in enumerate(problems)]
-    _poison()
+    poison_fused_buffers()
     saved = [fused.moe_forward(*p, None, False, "bf16", 40, 0, False)[2] for p in problems]
     for p, dy, preact in zip(problems, dys, saved):
         grads = fused.moe_backward(dy, *p, preact, None, False, "bf16", 40, 0)
@@ -107,7 +97,7 @@ def _check_input_reuse(dtype, tolerance):
 
     p, dy = problems[0], dys[0]
     preact = fused.moe_forward(*p, None, False, "bf16", 40, 0, False)[2]
-    _poison()
+    poison_fused_buffers()
     grads = fused.moe_backward(dy, *p, preact, None, False, "bf16", 40, 0)
     assert not torch.isfinite(grads[2]).all(), "the inputs were sent again"
 

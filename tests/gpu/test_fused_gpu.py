@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from problems import poison_fused_buffers
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -47,17 +48,6 @@ def _problem(kind: str, rank: int, world: int, seed: int):
     return [t.cuda() for t in (x, idx, w, w1, w2, w3)]
 
 
-def _poison_buffers():
-    from titan_megamoe import fused
-
-    for buffers in fused._BUFFERS.values():
-        for t in (buffers.recv, buffers.combine, buffers.h):
-            t.fill_(float("nan"))
-    for grad in fused._GRAD_BUFFERS.values():
-        for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
-            t.fill_(float("nan"))
-
-
 OUTPUTS = ("y", "dx", "d_topk_w", "dw1", "dw2", "dw3")
 
 
@@ -83,7 +73,7 @@ def _check_scenarios(rank: int, world: int):
         for score_before, save_gemm1 in ((False, False), (True, True)):
             problem = _problem(kind, rank, world, seed)
             dy = torch.randn_like(problem[0])
-            _poison_buffers()
+            poison_fused_buffers()
             got, counts = run("fused", problem, dy, score_before, save_gemm1)
             ref, counts_ref = run("reference", problem, dy, score_before)
             ref32, _ = run("reference", problem, dy, score_before, dtype=torch.float32)
@@ -100,7 +90,7 @@ def _check_scenarios(rank: int, world: int):
     dy = torch.randn_like(problem[0])
     first, _ = run("fused", problem, dy, False)
     for _ in range(3):
-        _poison_buffers()
+        poison_fused_buffers()
         again, _ = run("fused", problem, dy, False)
         for name, a, b in zip(OUTPUTS, first, again):
             assert torch.equal(a, b), f"{name} not deterministic run to run"
