@@ -115,14 +115,14 @@ def fused_backward(
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
         buffers.flag_ptrs, buffers.recv, grad.recv_grad, grad.recv_score, buffers.recv_meta,
         buffers.flags, buffers.state, buffers.local_base, buffers.local_rows, buffers.src_offset,
-        buffers.src_rows, w1, w2t, w3, dab if preact is None else preact, h_wgrad, dab, score_parts, buffers.status.data_ptr(), shape.rank, shape.ep, shape.local_experts,
+        buffers.src_rows, w1, w2t, w3, dab if preact is None else preact, h_wgrad, dab,
+        score_parts, buffers.status.data_ptr(), shape.rank, shape.ep, shape.local_experts,
         shape.rows_per_rank, max_spins,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
         COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
+        BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](

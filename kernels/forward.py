@@ -21,6 +21,7 @@ from titan_megamoe.kernels.sync import STATUS_WORDS, TIMEOUT_COUNTERS, FlagLayou
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+
 def tile_config() -> TileConfig:
     """The tile table row for where the kernels run: the GPU, or the interpreter."""
     return TILE_CONFIGS["interpret" if INTERPRET else "sm90"]
@@ -161,8 +162,8 @@ def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, max_spins: int, needs
         buffers.src_rows, tokens_per_expert, buffers.status.data_ptr(), shape.rank, shape.ep,
         shape.local_experts, int(needs_input), max_spins,
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
-        EP_PAD=pad(shape.ep),
-        LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m, num_warps=4,
+        EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
+        num_warps=4,
     )
     return order.to(torch.int32), send_start, tokens_per_expert
 

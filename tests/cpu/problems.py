@@ -135,3 +135,22 @@ def poison_fused_buffers() -> None:
     for grad in fused._GRAD_BUFFERS.values():
         for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
             t.fill_(float("nan"))
+
+
+def assert_compiles_like_eager(backend: str, x, idx, w, w1, w2, w3, **options) -> None:
+    """``mega_moe`` on ``backend`` traces under ``torch.compile(fullgraph=True)`` (fake
+    implementations, autograd formula) and gives, output and gradients, exactly what it
+    gives eagerly."""
+
+    def layer(x_, w_, w1_, w2_, w3_):
+        return mega_moe(x_, idx, w_, w1_, w2_, w3_, None, score_before_experts=False,
+                        precision="bf16", backend=backend, **options)[0]
+
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
+        y = fn(*leaves)
+        y.square().sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

@@ -11,7 +11,7 @@ runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
 import pytest
 import torch
 
-from problems import poison_fused_buffers
+from problems import assert_compiles_like_eager, poison_fused_buffers
 from ranks import run_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 48, 8, 3
@@ -238,23 +238,8 @@ def test_fused_backend_under_activation_checkpointing(mode, monkeypatch):
 
 def _compiles_fullgraph(rank, world):
     """The fused backend's op, with its saved pre-activations, traces without graph
-    breaks (fake shapes, autograd formula) and computes what it computes eagerly."""
-    from titan_megamoe.ops import mega_moe
-
-    x, idx, w, w1, w2, w3 = _problem(23, "random", seed=4)
-
-    def layer(x_, w_, w1_, w2_, w3_):
-        return mega_moe(x_, idx, w_, w1_, w2_, w3_, None, score_before_experts=False,
-                        precision="bf16", backend="fused", capacity_tokens=40, save_gemm1=True)[0]
-
-    results = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
-        y = fn(*leaves)
-        y.square().sum().backward()
-        results.append([y.detach()] + [t.grad for t in leaves])
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    breaks and computes what it computes eagerly."""
+    assert_compiles_like_eager("fused", *_problem(23, "random", seed=4), capacity_tokens=40, save_gemm1=True)
 
 
 def test_fused_backend_compiles_fullgraph(monkeypatch):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from problems import (
-    EXPERTS, HIDDEN, INTER, NAMES, TOP_K, check_ep_rank, make_problem, make_routing,
-    make_weights, rel_err, run_naive, run_op,
+    EXPERTS, HIDDEN, INTER, NAMES, TOP_K, assert_compiles_like_eager, check_ep_rank, make_problem,
+    make_routing, make_weights, rel_err, run_naive, run_op,
 )
 from ranks import run_ranks
 from titan_megamoe.ops import mega_moe
@@ -145,20 +145,4 @@ def test_input_errors_name_the_bad_value(overrides, message):
 def test_compiles_fullgraph():
     """The custom ops trace (fake implementations, autograd formula) without graph breaks."""
     x, idx, w = make_problem(37, "random", seed=0)
-    w1, w2, w3 = make_weights()
-
-    def layer(*tensors):
-        x_, w_, w1_, w2_, w3_ = tensors
-        return mega_moe(
-            x_, idx, w_, w1_, w2_, w3_, None,
-            score_before_experts=False, precision="bf16", backend="reference",
-        )[0]
-
-    results = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
-        y = fn(*leaves)
-        y.square().sum().backward()
-        results.append([y.detach()] + [t.grad for t in leaves])
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    assert_compiles_like_eager("reference", x, idx, w, *make_weights())
