@@ -1,28 +1,32 @@
-"""The ``[mega_moe]`` TOML section.
+"""The ``[mega_moe]`` TOML section: its schema and the checks of its values.
 
 TorchTitan merges this module's ``JobConfig`` into its own when a TOML says
 
     [job]
     custom_config_module = "titan_megamoe.config"
 
-Importing the module also registers what a TOML can then name: the ``mega_moe``
-model converter, the shipped dataset and the extra model flavors.
+Each key is the name of the ``titan_megamoe.settings.OperatorSettings`` field it sets.
+Importing this module runs the package's ``__init__`` first, which registers the
+converter, dataset and flavors (``titan_megamoe.registry``); the module itself needs
+neither TorchTitan nor torch.
 """
 
 from dataclasses import dataclass, field
 
 from titan_megamoe.precision import PRECISION_CHOICES
+from titan_megamoe.settings import DEFAULT_TIMEOUT_S
 
-BACKEND_CHOICES = ("auto", "fused", "reference")
-GEMM1_ACTIVATION_CHOICES = ("recompute", "save")
+BACKEND_CHOICES = ("auto", "fused", "stock", "reference")
+"""What ``[mega_moe] backend`` accepts."""
 
 
-def _check_choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+def _invalid(name: str, value, expected: str) -> ValueError:
+    return ValueError(f"[mega_moe] {name} = {value!r} is not valid; {expected}")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(
-            f"[{section}] {name} = {value!r} is not valid; allowed values: "
-            + ", ".join(repr(a) for a in allowed)
-        )
+        raise _invalid(name, value, "allowed values: " + ", ".join(repr(a) for a in allowed))
 
 
 @dataclass
@@ -34,52 +38,44 @@ class MegaMoE:
     ``fp8_bwd`` keeps the forward in bf16 and runs the backward GEMMs in blockwise fp8."""
 
     backend: str = "auto"
-    """Implementation of the operator: auto | fused | reference.
-    ``reference`` is pure PyTorch (any device, torch.distributed all-to-all);
-    ``fused`` is the overlapping Triton kernel on SM90 GPUs; ``auto`` picks the
-    fastest one available and logs the choice."""
+    """What runs the routed experts: auto | fused | stock | reference.
+    ``fused``: the overlapping Triton kernels (SM90+ GPUs, EP group within one node).
+    ``stock``: TorchTitan's own all-to-all and grouped GEMMs.
+    ``reference``: pure PyTorch, the numerical specification (slow; only when asked for).
+    ``auto``: ``fused`` where it can run, else ``stock``; the log says which and why."""
 
     capacity_tokens_per_rank: int = 0
-    """Largest token count one rank may feed one MoE layer; the fused backend sizes its
-    symmetric buffers from it, and refuses a call with more.
-    0 = local batch size x sequence length."""
+    """Fused backend: most tokens one rank may feed one MoE layer; the symmetric buffers
+    are sized for it and a call with more is refused. 0 = local batch size x seq_len."""
 
     comm_sms: int = 0
-    """Programs of the fused forward that dispatch rows to their owners before joining the
-    first expert GEMM (0 = the backend's default, 32)."""
+    """Fused backend: programs that dispatch rows to their owners before joining the
+    first expert GEMM (0 = the backend's default)."""
 
-    gemm1_activations: str = "recompute"
-    """Fused backend: what the backward does for the first expert GEMM.
-    ``recompute``: runs it again from the received rows (keeps nothing per layer).
-    ``save``: the forward keeps its pre-activations, receive rows x 2 x moe_inter_dim in
-    bf16 per layer (the log states the size; 0.77 GiB for Qwen3-30B-A3B at 16,384
-    tokens, EP 2), and the backward skips a quarter of its GEMM work. Under full activation
-    checkpointing only the layer being recomputed holds them."""
+    save_gemm1: bool = False
+    """Fused backend: the forward keeps GEMM1's pre-activations for the backward
+    (receive rows x 2 x moe_inter_dim in bf16 per layer, logged; 0.77 GiB for
+    Qwen3-30B-A3B at 16,384 tokens, EP 2), which spares the backward a quarter of its
+    GEMM work; false recomputes GEMM1 instead. Under full activation checkpointing only
+    the layer being recomputed holds them."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Fused backend: wall-clock limit, in seconds, of any wait on a peer rank; past it
+    every rank of the group raises instead of hanging."""
 
     def __post_init__(self):
-        _check_choice("mega_moe", "precision", self.precision, PRECISION_CHOICES)
-        _check_choice("mega_moe", "backend", self.backend, BACKEND_CHOICES)
-        _check_choice(
-            "mega_moe", "gemm1_activations", self.gemm1_activations, GEMM1_ACTIVATION_CHOICES
-        )
+        _check_choice("precision", self.precision, PRECISION_CHOICES)
+        _check_choice("backend", self.backend, BACKEND_CHOICES)
         for name in ("capacity_tokens_per_rank", "comm_sms"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"[mega_moe] {name} = {value!r} is not valid; expected an integer >= 0"
-                )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise _invalid(name, value, "expected an integer >= 0")
+        if not isinstance(self.save_gemm1, bool):
+            raise _invalid("save_gemm1", self.save_gemm1, "expected true or false")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise _invalid("timeout_s", self.timeout_s, "expected seconds > 0")
 
 
 @dataclass
 class JobConfig:
     mega_moe: MegaMoE = field(default_factory=MegaMoE)
-
-
-def _register() -> None:
-    # Imported for their registrations: converter "mega_moe", dataset, model flavors.
-    import titan_megamoe.converter  # noqa: F401
-    import titan_megamoe.data  # noqa: F401
-    import titan_megamoe.models  # noqa: F401
-
-
-_register()

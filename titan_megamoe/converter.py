@@ -7,7 +7,12 @@ Listed in ``model.converters``, it
 - adds the operator to the selective-activation-checkpoint save lists;
 - maps the torchao grouped-MM converter in the same list to a kernel precision, and
   keeps that converter off the routed experts, which it now owns;
+- builds the layers' ``OperatorSettings`` once from ``[mega_moe]``, resolving the
+  backend for the device and the dtype the experts will compute in, and logs one line
+  saying what it chose and why;
 - refuses, at convert time, the combinations it cannot serve.
+
+``titan_megamoe.registry`` registers it with TorchTitan.
 """
 
 import importlib
@@ -20,14 +25,14 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.moe import MoE
-from torchtitan.protocols import model_converter
 from torchtitan.tools.logging import logger
 from torchtitan.tools import utils as titan_utils
 
 from titan_megamoe import parallel
-from titan_megamoe.layer import MegaMoE, OperatorSettings
+from titan_megamoe.layer import MegaMoE
 from titan_megamoe.ops import resolve_backend, SAVE_LIST_OPS
-from titan_megamoe.precision import GROUPED_MM_FLOAT8, GROUPED_MM_MX, precision_from_recipe
+from titan_megamoe.precision import get_precision, precision_from_recipe
+from titan_megamoe.settings import OperatorSettings
 
 CONVERTER_NAME = "mega_moe"
 
@@ -43,6 +48,9 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     """What in ``job_config`` mega_moe cannot serve, each with what to change."""
     p = job_config.parallelism
     problems = []
+    count = job_config.model.converters.count(CONVERTER_NAME)
+    if count > 1:
+        problems.append(f"model.converters lists {CONVERTER_NAME!r} {count} times; list it once")
     if p.expert_parallel_degree > 1 and p.expert_tensor_parallel_degree > 1:
         problems.append(
             f"parallelism.expert_tensor_parallel_degree = {p.expert_tensor_parallel_degree}: "
@@ -61,7 +69,7 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     return problems
 
 
-FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "gemm1_activations")
+FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "save_gemm1", "timeout_s")
 """``[mega_moe]`` keys that only the fused backend reads."""
 
 
@@ -85,10 +93,27 @@ def _ep_within_node(job_config: JobConfig) -> bool:
     return ep <= local and local % ep == 0
 
 
-class MegaMoEConverter:
-    """Model converter ``mega_moe`` (see the module docstring)."""
+def _expert_dtype(job_config: JobConfig, parallel_dims: ParallelDims | None) -> torch.dtype:
+    """The dtype the routed experts will compute in: FSDP2's mixed-precision parameter
+    dtype where TorchTitan wraps them with ``fully_shard``, else fp32 (its AMP autocast,
+    single device or DDP, leaves the expert weights in fp32). No ``parallel_dims``: one
+    device."""
+    # llama4 and deepseek_v3 apply fully_shard whenever EP is on; qwen3 does only with
+    # FSDP, and where the guess is wrong the layer falls back at its first call.
+    fsdp = parallel_dims is not None and (parallel_dims.fsdp_enabled or parallel_dims.ep_enabled)
+    if fsdp and job_config.training.mixed_precision_param == "bfloat16":
+        return torch.bfloat16
+    return torch.float32
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+
+class MegaMoEConverter:
+    """Model converter ``mega_moe`` (see the module docstring).
+
+    ``settings`` is what every converted layer runs with; ``auto_backend`` says its
+    backend was chosen by ``[mega_moe] backend = "auto"``.
+    """
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims | None):
         if not hasattr(job_config, "mega_moe"):
             raise ValueError(
                 "model.converters lists 'mega_moe' but the job config has no [mega_moe] "
@@ -100,27 +125,29 @@ class MegaMoEConverter:
 
         cfg = job_config.mega_moe
         if cfg.precision == "auto":
-            precision, source = precision_from_recipe(
+            precision_name, source = precision_from_recipe(
                 job_config.model.converters, job_config.quantize.grouped_mm.mx.recipe_name
             )
         else:
-            precision, source = cfg.precision, "[mega_moe] precision"
+            precision_name, source = cfg.precision, "[mega_moe] precision"
+        precision = get_precision(precision_name)
+        dtype = _expert_dtype(job_config, parallel_dims)
         backend, why = resolve_backend(
-            cfg.backend, torch.device(titan_utils.device_type), precision, _ep_within_node(job_config)
+            cfg.backend, torch.device(titan_utils.device_type), dtype, precision, _ep_within_node(job_config)
         )
-        capacity = cfg.capacity_tokens_per_rank or (
-            job_config.training.local_batch_size * job_config.training.seq_len
-        )
+        self.auto_backend = cfg.backend == "auto"
         self.settings = OperatorSettings(
             precision=precision,
             backend=backend,
-            capacity_tokens=capacity,
+            capacity_tokens_per_rank=cfg.capacity_tokens_per_rank
+            or job_config.training.local_batch_size * job_config.training.seq_len,
             comm_sms=cfg.comm_sms,
-            save_gemm1=cfg.gemm1_activations == "save",
+            save_gemm1=cfg.save_gemm1,
+            timeout_s=float(cfg.timeout_s),
         )
         logger.info(
-            f"mega_moe: routed experts run precision '{precision}' (from {source}) "
-            f"on backend '{backend}' ({why})"
+            f"mega_moe: routed experts run precision '{precision_name}' (from {source}) "
+            f"on backend '{backend}' ({why}; experts compute in {dtype})"
         )
         _note_fused_only_settings(cfg, backend)
         parallel.install()
@@ -141,7 +168,7 @@ class MegaMoEConverter:
         for name, moe in targets:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, MegaMoE(moe, self.settings))
+            setattr(parent, child, MegaMoE(moe, self.settings, self.auto_backend))
         logger.info(f"mega_moe: converted {len(targets)} MoE layers")
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
@@ -169,18 +196,3 @@ class GroupedMMDefersToMegaMoE(QuantizationConverter):
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         if self.stock is not None:
             self.stock.post_optimizer_hook(model)
-
-
-def _register() -> None:
-    registry = model_converter._registry_model_converter_cls
-    if CONVERTER_NAME in registry:
-        return
-    model_converter.register_model_converter(MegaMoEConverter, CONVERTER_NAME)
-    for name in (GROUPED_MM_FLOAT8, GROUPED_MM_MX):
-        stock_cls = registry[name]
-        registry[name] = type(
-            f"{stock_cls.__name__}DefersToMegaMoE", (GroupedMMDefersToMegaMoE,), {"stock_cls": stock_cls}
-        )
-
-
-_register()

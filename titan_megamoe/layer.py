@@ -1,4 +1,5 @@
-"""``MegaMoE``: TorchTitan's MoE layer with the routed experts run by the fused operator.
+"""``MegaMoE``: TorchTitan's MoE layer with the routed experts run as one
+``OperatorSettings`` says: by the ``mega_moe`` operator or by TorchTitan's own path.
 
 Parameter and buffer names are TorchTitan's (``experts.w1/w2/w3``, ``router.gate.weight``,
 ``expert_bias``, ``tokens_per_expert``, ``shared_experts.*``), so checkpoints move freely
@@ -6,30 +7,20 @@ between stock and converted models. The experts stay a module of their own, call
 per forward, so FSDP2's hooks and prefetch lists treat them exactly as stock.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.tools.logging import logger
 
+from titan_megamoe import fused_support, stock
 from titan_megamoe.ops import mega_moe
+from titan_megamoe.settings import OperatorSettings
 
-
-@dataclass(frozen=True)
-class OperatorSettings:
-    """How a converted layer runs the operator (resolved once, by the converter)."""
-
-    precision: str
-    backend: str
-    capacity_tokens: int = 0
-    """Fused backend: most tokens a rank feeds one layer (sizes its buffers)."""
-    comm_sms: int = 0
-    """Fused backend: programs that dispatch before joining GEMM1 (0: its default)."""
-    save_gemm1: bool = False
-    """Fused backend: keep GEMM1's pre-activations for the backward (else recompute)."""
+_logged_fallbacks: set[tuple[torch.dtype, str]] = set()
+"""(dtype, reason) of each fallback to ``stock`` already logged: one line per job, not per layer."""
 
 
 class RouterScores:
@@ -48,19 +39,61 @@ class RouterScores:
 
 
 class MegaExperts(GroupedExperts):
-    """The routed experts: owns ``w1, w2, w3`` and calls the operator on routed tokens.
+    """The routed experts: owns ``w1, w2, w3`` and runs them on the routed tokens, through
+    the operator (``mega_moe``) or, with ``settings.backend == "stock"``, TorchTitan's own
+    path (``titan_megamoe.stock``).
 
     Under expert parallelism the weights are DTensors sharded ``Shard(0)`` on a mesh
-    named ``ep`` (see ``titan_megamoe.parallel``); the operator gets the local shards and
+    named ``ep`` (see ``titan_megamoe.parallel``); the backend gets the local shards and
     that mesh's process group, and moves the tokens itself.
+
+    ``auto_backend``: ``settings.backend`` was chosen by ``auto`` for the dtype the
+    converter expected. If ``fused`` then cannot run the dtype a call brings, the layer
+    runs ``stock`` instead (logged once); without ``auto_backend`` that call raises.
     """
 
-    def __init__(self, source: GroupedExperts, settings: OperatorSettings, score_before_experts: bool):
+    def __init__(
+        self,
+        source: GroupedExperts,
+        settings: OperatorSettings,
+        score_before_experts: bool,
+        auto_backend: bool = False,
+    ):
         nn.Module.__init__(self)
         self.num_experts = source.num_experts  # read by TorchTitan's apply_fsdp
         self.w1, self.w2, self.w3 = source.w1, source.w2, source.w3
         self.settings = settings
         self.score_before_experts = score_before_experts
+        self.auto_backend = auto_backend
+        self._call_settings: dict[tuple, OperatorSettings] = {}
+
+    def _settings_for(self, x: torch.Tensor) -> OperatorSettings:
+        """The settings a call with ``x`` runs with (decided once per device and dtype)."""
+        key = (self.settings, x.device, x.dtype)
+        if key not in self._call_settings:
+            self._call_settings[key] = self._decide(x.device, x.dtype)
+        return self._call_settings[key]
+
+    def _decide(self, device: torch.device, dtype: torch.dtype) -> OperatorSettings:
+        settings = self.settings
+        if settings.backend != "fused":
+            return settings
+        # The converter checked the EP group; only the device and dtype are new here.
+        reason = fused_support.unsupported_reason(device, dtype, settings.precision, True)
+        if reason is None:
+            return settings
+        if not self.auto_backend:
+            raise NotImplementedError(
+                f"[mega_moe] backend = 'fused' cannot run these experts' {dtype} inputs: {reason}; "
+                "set [mega_moe] backend = 'auto' to run them on 'stock' instead"
+            )
+        if (dtype, reason) not in _logged_fallbacks:
+            _logged_fallbacks.add((dtype, reason))
+            logger.warning(
+                f"mega_moe: backend 'fused' (chosen by auto) cannot run {dtype} inputs: {reason}; "
+                "those layers run backend 'stock'"
+            )
+        return settings.replace(backend="stock")
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: RouterScores) -> torch.Tensor:
         group = None
@@ -73,25 +106,22 @@ class MegaExperts(GroupedExperts):
                 )
             group = mesh.get_group()
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        settings = self._settings_for(x)
+        if settings.backend == "stock":
+            return stock.routed_experts(
+                x, topk_idx, topk_w.scores, w1, w2, w3, group, self.score_before_experts, settings.precision
+            )
         y, _tokens_per_local_expert = mega_moe(
-            x,
-            topk_idx,
-            topk_w.scores,
-            w1,
-            w2,
-            w3,
-            group,
-            score_before_experts=self.score_before_experts,
-            precision=self.settings.precision,
-            backend=self.settings.backend,
-            capacity_tokens=self.settings.capacity_tokens,
-            comm_sms=self.settings.comm_sms,
-            save_gemm1=self.settings.save_gemm1,
+            x, topk_idx, topk_w.scores, w1, w2, w3, group,
+            score_before_experts=self.score_before_experts, settings=settings,
         )
         return y
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, precision={self.settings.precision}, backend={self.settings.backend}"
+        return (
+            f"num_experts={self.num_experts}, precision={self.settings.precision.name}, "
+            f"backend={self.settings.backend}"
+        )
 
 
 class TokenSlicer(nn.Module):
@@ -109,12 +139,12 @@ class TokenSlicer(nn.Module):
 
 
 class MegaMoE(MoE):
-    """Router -> fused routed experts (+ shared experts), as TorchTitan's ``MoE``."""
+    """Router -> routed experts (``MegaExperts``) (+ shared experts), as TorchTitan's ``MoE``."""
 
-    def __init__(self, source: MoE, settings: OperatorSettings):
+    def __init__(self, source: MoE, settings: OperatorSettings, auto_backend: bool = False):
         nn.Module.__init__(self)
         # Registered in stock order, so state dicts list keys identically.
-        self.experts = MegaExperts(source.experts, settings, source.score_before_experts)
+        self.experts = MegaExperts(source.experts, settings, source.score_before_experts, auto_backend)
         self.router = source.router
         self.reorderer = TokenSlicer()
         self.shared_experts = source.shared_experts

@@ -2,10 +2,17 @@
 
 ``mega_moe(...)`` is the entry point: it checks its inputs, then calls
 ``torch.ops.titan_megamoe.moe_forward``, whose autograd formula calls
-``torch.ops.titan_megamoe.moe_backward``. Both dispatch to a backend by name, so the
-choice travels through ``torch.compile`` and activation checkpointing as a plain string,
+``torch.ops.titan_megamoe.moe_backward``. Both take the layer's
+:class:`~titan_megamoe.settings.OperatorSettings` as one string (``encode()``), so the
+settings travel through ``torch.compile`` and activation checkpointing as a constant,
 and the forward op can be put in a selective-checkpointing save list
 (``SAVE_LIST_OPS``) so that recomputation never repeats its transfers.
+
+Backends (``BACKENDS``): ``fused`` (the Triton kernels, imported on first use),
+``reference`` (pure PyTorch, the specification) and ``stock`` (TorchTitan's own
+all-to-all and grouped GEMMs, which the layer calls instead of this operator;
+``titan_megamoe.stock``). This module and the reference backend need neither Triton
+nor TorchTitan.
 """
 
 from dataclasses import dataclass
@@ -15,84 +22,136 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_megamoe import fused, reference
-from titan_megamoe.precision import get_precision
+from titan_megamoe import fused_support, reference
+from titan_megamoe.precision import Precision
+from titan_megamoe.settings import OperatorSettings
+
+Unsupported = Callable[[torch.device, torch.dtype, Precision, bool], str | None]
 
 
 @dataclass(frozen=True)
-class Backend:
-    """One implementation of the operator.
+class OpImpl:
+    """What the custom ops run for one backend.
 
-    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, precision,
-    capacity_tokens, comm_sms, save_gemm1) -> (y, tokens per local expert, saved)``;
+    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings)
+    -> (y, tokens per local expert, saved)``;
     ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group, score_before_experts,
-    precision, capacity_tokens, comm_sms) -> (dx, d_topk_w, dw1, dw2, dw3)``, where
-    ``saved`` is what the forward kept for it (GEMM1's pre-activations, or 0 rows);
-    ``saved_shape(x, topk_idx, w1, group, capacity_tokens, save_gemm1)`` is its shape.
-    ``unsupported(device, precision, ep_within_node)`` says why it cannot run there, or
-    None.
+    settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved`` is what the forward kept
+    for it (GEMM1's pre-activations, or 0 rows);
+    ``saved_shape(x, topk_idx, w1, group, settings)`` is its shape (for fake tensors).
     """
 
     forward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
     saved_shape: Callable[..., tuple[int, int]]
-    unsupported: Callable[[torch.device, str, bool], str | None]
 
 
-def _nothing_saved(x, topk_idx, w1, *_):
+@dataclass(frozen=True)
+class Backend:
+    """One way to run the routed experts.
+
+    ``unsupported(device, dtype, precision, ep_within_node)`` says why it cannot run
+    there, or None. ``op`` is what the custom ops run, None for ``stock`` (the layer
+    calls TorchTitan's path itself). ``auto`` backends are tried, in ``BACKENDS`` order,
+    by ``resolve_backend("auto", ...)``.
+    """
+
+    unsupported: Unsupported
+    op: OpImpl | None
+    auto: bool
+
+
+def _nothing_saved(x, topk_idx, w1, group, settings) -> tuple[int, int]:
     return 0, 2 * w1.shape[1]
 
 
-def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, *args, capacity_tokens, comm_sms, save_gemm1):
-    y, tokens_per_expert = reference.moe_forward(x, topk_idx, topk_w, w1, w2, w3, *args)
-    return y, tokens_per_expert, x.new_empty(_nothing_saved(x, topk_idx, w1))
+def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings):
+    y, tokens_per_expert = reference.moe_forward(
+        x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
+    )
+    return y, tokens_per_expert, x.new_empty(_nothing_saved(x, topk_idx, w1, group, settings))
 
 
-def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, *args, capacity_tokens, comm_sms):
-    return reference.moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, *args)
+def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group, score_before_experts, settings):
+    return reference.moe_backward(
+        dy, x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
+    )
 
 
-def _fused_unsupported(device: torch.device, precision: str, ep_within_node: bool) -> str | None:
-    if not ep_within_node:
-        return "its EP group must be GPUs of one node (NVLink peers); this one spans nodes"
-    return fused.unsupported_reason(device, precision)
+# The fused backend imports Triton: only runs that use it load it.
+def _fused_forward(*args):
+    from titan_megamoe import fused
+
+    return fused.moe_forward(*args)
 
 
-def _fused_forward(*args, capacity_tokens, comm_sms, save_gemm1):
-    return fused.moe_forward(*args, capacity_tokens, comm_sms, save_gemm1)
+def _fused_backward(*args):
+    from titan_megamoe import fused
+
+    return fused.moe_backward(*args)
 
 
-def _fused_backward(*args, capacity_tokens, comm_sms):
-    return fused.moe_backward(*args, capacity_tokens, comm_sms)
+def _fused_saved_shape(*args):
+    from titan_megamoe import fused
+
+    return fused.saved_shape(*args)
+
+
+def _fused_unsupported(*args) -> str | None:
+    # Looked up per call, so that a patched check (tests) is the one used.
+    return fused_support.unsupported_reason(*args)
+
+
+# titan_megamoe.stock imports TorchTitan, which the operator itself does not need.
+def _stock_unsupported(*args) -> str | None:
+    from titan_megamoe import stock
+
+    return stock.unsupported_reason(*args)
 
 
 BACKENDS: dict[str, Backend] = {
-    "fused": Backend(_fused_forward, _fused_backward, fused.saved_preact_shape, _fused_unsupported),
-    "reference": Backend(_reference_forward, _reference_backward, _nothing_saved, lambda *_: None),
+    "fused": Backend(_fused_unsupported, OpImpl(_fused_forward, _fused_backward, _fused_saved_shape), auto=True),
+    "stock": Backend(_stock_unsupported, op=None, auto=True),
+    "reference": Backend(
+        lambda *_: None, OpImpl(_reference_forward, _reference_backward, _nothing_saved), auto=False
+    ),
 }
-"""Implementations, by name, fastest first (``auto`` takes the first that can run)."""
+"""Every backend by name; ``auto`` takes the first ``auto`` one that can run."""
 
 
 def resolve_backend(
-    requested: str, device: torch.device, precision: str, ep_within_node: bool = True
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    precision: Precision,
+    ep_within_node: bool = True,
 ) -> tuple[str, str]:
-    """The backend to run for ``requested`` on ``device`` in ``precision`` (with the EP
-    group inside one node or not), and why (for the log). Raises if ``requested`` names a
-    backend that cannot run there."""
+    """The backend that runs ``requested`` (a ``BACKENDS`` name or ``auto``) on
+    ``device`` with experts computing in ``dtype`` and ``precision`` (the EP group inside
+    one node or not), and why, for the log.
+
+    ``auto`` takes ``fused`` where it can run, else ``stock``; never ``reference``, which
+    runs only when asked for. Raises ``NotImplementedError`` with the reason if the
+    backend asked for (or every ``auto`` one) cannot run there.
+    """
     if requested == "auto":
         skipped = []
         for name, backend in BACKENDS.items():
-            reason = backend.unsupported(device, precision, ep_within_node)
+            if not backend.auto:
+                continue
+            reason = backend.unsupported(device, dtype, precision, ep_within_node)
             if reason is None:
-                why = f"auto on {device.type}" + (f"; not {'; not '.join(skipped)}" if skipped else "")
-                return name, why
+                return name, "auto" + "".join(f"; skipped {s}" for s in skipped)
             skipped.append(f"{name}: {reason}")
+        raise NotImplementedError(
+            "[mega_moe] backend = 'auto' found no backend that can run here: " + "; ".join(skipped)
+        )
     if requested not in BACKENDS:
         raise ValueError(
             f"[mega_moe] backend = {requested!r} is unknown; known backends: "
-            + ", ".join(["auto", *BACKENDS])
+            + ", ".join(repr(name) for name in ("auto", *BACKENDS))
         )
-    reason = BACKENDS[requested].unsupported(device, precision, ep_within_node)
+    reason = BACKENDS[requested].unsupported(device, dtype, precision, ep_within_node)
     if reason is not None:
         raise NotImplementedError(f"[mega_moe] backend = {requested!r} cannot run here: {reason}")
     return requested, "asked for"
@@ -102,6 +161,10 @@ def _group(group_name: str) -> dist.ProcessGroup | None:
     if not group_name:
         return None
     return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _op(settings: OperatorSettings) -> OpImpl:
+    return BACKENDS[settings.backend].op
 
 
 @torch.library.custom_op("titan_megamoe::moe_forward", mutates_args=())
@@ -114,22 +177,18 @@ def moe_forward(
     w3: Tensor,
     group_name: str,
     score_before_experts: bool,
-    precision: str,
-    backend: str,
-    capacity_tokens: int,
-    comm_sms: int,
-    save_gemm1: bool,
+    settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return BACKENDS[backend].forward(
-        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, precision,
-        capacity_tokens=capacity_tokens, comm_sms=comm_sms, save_gemm1=save_gemm1,
+    decoded = OperatorSettings.decode(settings)
+    return _op(decoded).forward(
+        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded
     )
 
 
 @moe_forward.register_fake
-def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
-      capacity_tokens, comm_sms, save_gemm1):
-    saved = BACKENDS[backend].saved_shape(x, topk_idx, w1, _group(group_name), capacity_tokens, save_gemm1)
+def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
+    decoded = OperatorSettings.decode(settings)
+    saved = _op(decoded).saved_shape(x, topk_idx, w1, _group(group_name), decoded)
     return torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64), x.new_empty(saved)
 
 
@@ -145,39 +204,32 @@ def moe_backward(
     saved: Tensor,
     group_name: str,
     score_before_experts: bool,
-    precision: str,
-    backend: str,
-    capacity_tokens: int,
-    comm_sms: int,
+    settings: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return BACKENDS[backend].backward(
-        dy, x, topk_idx, topk_w, w1, w2, w3, saved, _group(group_name), score_before_experts,
-        precision, capacity_tokens=capacity_tokens, comm_sms=comm_sms,
+    decoded = OperatorSettings.decode(settings)
+    return _op(decoded).backward(
+        dy, x, topk_idx, topk_w, w1, w2, w3, saved, _group(group_name), score_before_experts, decoded
     )
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group_name, score_before_experts, precision,
-      backend, capacity_tokens, comm_sms):
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group_name, score_before_experts, settings):
     return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
 
 
-_NON_TENSOR_ARGS = (
-    "group_name", "score_before_experts", "precision", "backend", "capacity_tokens", "comm_sms",
-    "save_gemm1",
-)
-
-
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_w, w1, w2, w3, *options = inputs
+    x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings = inputs
     ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, output[2])
-    ctx.options = options[:-1]  # all but save_gemm1, which only the forward takes
+    ctx.group_name = group_name
+    ctx.score_before_experts = score_before_experts
+    ctx.settings = settings
 
 
 def _backward(ctx, dy, _d_tokens_per_local_expert, _d_saved):
-    grads = moe_backward(dy.contiguous(), *ctx.saved_tensors, *ctx.options)
-    dx, d_topk_w, dw1, dw2, dw3 = grads
-    return (dx, None, d_topk_w, dw1, dw2, dw3) + (None,) * len(_NON_TENSOR_ARGS)
+    dx, d_topk_w, dw1, dw2, dw3 = moe_backward(
+        dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.score_before_experts, ctx.settings
+    )
+    return dx, None, d_topk_w, dw1, dw2, dw3, None, None, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -186,7 +238,9 @@ SAVE_LIST_OPS = (torch.ops.titan_megamoe.moe_forward.default,)
 """Ops whose outputs selective activation checkpointing should save, not recompute."""
 
 
-def _check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
+def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
+    """The operator's inputs agree in shape, dtype and device (shapes only: nothing here
+    waits for the device); raises naming the bad one."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden]; got shape {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -212,6 +266,31 @@ def _check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
         raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
 
 
+def _check_settings(settings: OperatorSettings, x: Tensor, group: dist.ProcessGroup | None) -> None:
+    name = settings.backend
+    if name not in BACKENDS:
+        raise ValueError(
+            f"settings.backend = {name!r} is not a backend the operator runs; pass a resolved "
+            f"one ({', '.join(repr(n) for n, b in BACKENDS.items() if b.op)}): "
+            "titan_megamoe.ops.resolve_backend turns 'auto' into one"
+        )
+    if BACKENDS[name].op is None:
+        raise ValueError(
+            f"settings.backend = {name!r} is TorchTitan's own path, not this operator; call "
+            f"titan_megamoe.{name}.routed_experts instead"
+        )
+    # Whether the EP group spans nodes is the caller's to check (the converter does).
+    reason = BACKENDS[name].unsupported(x.device, x.dtype, settings.precision, True)
+    if reason is not None:
+        raise NotImplementedError(f"settings.backend = {name!r} cannot run here: {reason}")
+    if name == "fused" and group is not None and group.size() > 1 and settings.capacity_tokens_per_rank <= 0:
+        raise ValueError(
+            f"settings.capacity_tokens_per_rank = {settings.capacity_tokens_per_rank} with the "
+            f"fused backend on {group.size()} ranks: every rank must size the symmetric buffers "
+            "alike, so set it to the most tokens any rank passes one call"
+        )
+
+
 def mega_moe(
     x: Tensor,
     topk_idx: Tensor,
@@ -222,11 +301,7 @@ def mega_moe(
     group: dist.ProcessGroup | None,
     *,
     score_before_experts: bool,
-    precision: str,
-    backend: str,
-    capacity_tokens: int = 0,
-    comm_sms: int = 0,
-    save_gemm1: bool = False,
+    settings: OperatorSettings,
 ) -> tuple[Tensor, Tensor]:
     """Routed experts of one MoE layer, expert-parallel over ``group``.
 
@@ -237,23 +312,17 @@ def mega_moe(
         w1, w3: ``[E_local, I, H]``; w2: ``[E_local, H, I]`` (TorchTitan's layout).
         group: the EP process group, or None for a single rank.
         score_before_experts: scale the expert input by the score instead of the output.
-        precision: a name from ``titan_megamoe.precision.PRECISIONS``.
-        backend: a name from ``BACKENDS``.
-        capacity_tokens: (fused) most tokens any rank of ``group`` passes; sizes the
-            buffers. 0: this call's token count (then every rank must pass as many).
-        comm_sms: (fused) programs that dispatch before joining GEMM1; 0: the default.
-        save_gemm1: (fused) keep GEMM1's pre-activations for the backward instead of
-            recomputing them (more memory, less compute).
+        settings: how to run; ``settings.backend`` is a resolved operator backend
+            (``fused`` or ``reference``; ``resolve_backend`` resolves ``auto``). With
+            ``fused`` on more than one rank, ``capacity_tokens_per_rank`` must be set.
 
     Returns:
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
     """
-    _check_inputs(x, topk_idx, topk_w, w1, w2, w3)
-    get_precision(precision)
-    resolve_backend(backend, x.device, precision)  # raises with the reason
+    check_inputs(x, topk_idx, topk_w, w1, w2, w3)
+    _check_settings(settings, x, group)
     group_name = "" if group is None else group.group_name
     y, tokens_per_local_expert, _saved = torch.ops.titan_megamoe.moe_forward(
-        x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, precision, backend,
-        capacity_tokens, comm_sms, save_gemm1,
+        x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings.encode()
     )
     return y, tokens_per_local_expert

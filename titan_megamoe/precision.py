@@ -1,30 +1,52 @@
 """Precision names, the torchao recipe table, and the numeric formats they stand for.
 
-A *format* says how one GEMM operand is stored: ``native`` (the tensor's own dtype,
-bf16 in training), ``fp8_block`` (DeepSeek-V3 blockwise e4m3, fp32 scales) or
-``mxfp8`` (OCP MX: e4m3, one UE8M0 scale per 32 elements along K).
+A :class:`Format` says how one GEMM operand is stored: ``native`` (the tensor's own
+dtype, bf16 in training), ``fp8_block`` (DeepSeek-V3 blockwise e4m3, fp32 scales) or
+``mxfp8`` (OCP MX: e4m3, one UE8M0 scale per 32 elements along K). A :class:`Precision`
+assigns a format to each of the operator's three GEMM families: the forward GEMMs, the
+backward data-gradient GEMMs (``dgrad``) and the weight-gradient GEMMs (``wgrad``).
 
-A *precision* assigns a format to each of the three GEMM families of the operator:
-the forward GEMMs, the backward data-gradient GEMMs (``dgrad``) and the weight-gradient
-GEMMs (``wgrad``).
+A precision name is parsed once, by :func:`get_precision`; everything below that (the
+reference, the backends, the kernels' constexprs) works from the objects.
 """
 
 from dataclasses import dataclass
 
-NATIVE = "native"
-FP8_BLOCK = "fp8_block"
-MXFP8 = "mxfp8"
-
 E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
-FP8_BLOCK_ACTIVATION = (1, 128)
-"""fp8_block scale tile of activations and incoming gradients: 1 row x 128 along K."""
-FP8_BLOCK_WEIGHT = (128, 128)
-"""fp8_block scale tile of weights: 128 x 128."""
-MX_BLOCK = 32
-"""mxfp8 scale block: 32 elements along K, for every operand."""
 UE8M0_EXP_MIN, UE8M0_EXP_MAX = -127, 127
 """Range of the power-of-two exponent a UE8M0 scale can hold."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one GEMM operand is stored.
+
+    Scales are one per *scale block*: ``activation_block`` for rows of activations and
+    incoming gradients, ``weight_block`` for weights, each ``(rows, columns along K)``.
+    """
+
+    name: str
+    element: str
+    """``native`` (the operand's own dtype) or ``e4m3``."""
+    activation_block: tuple[int, int] = (0, 0)
+    weight_block: tuple[int, int] = (0, 0)
+    power_of_two: bool = False
+    """Scales are powers of two (UE8M0, rounded up: RCEIL) rather than fp32 ``amax / 448``."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.element != "native"
+
+    def block(self, is_weight: bool) -> tuple[int, int]:
+        """The scale block of a weight operand or of an activation / gradient operand."""
+        return self.weight_block if is_weight else self.activation_block
+
+
+NATIVE = Format("native", "native")
+FP8_BLOCK = Format("fp8_block", "e4m3", activation_block=(1, 128), weight_block=(128, 128))
+MXFP8 = Format("mxfp8", "e4m3", activation_block=(1, 32), weight_block=(1, 32), power_of_two=True)
+FORMATS = {f.name: f for f in (NATIVE, FP8_BLOCK, MXFP8)}
 
 
 @dataclass(frozen=True)
@@ -32,9 +54,18 @@ class Precision:
     """Formats of the operator's three GEMM families."""
 
     name: str
-    forward: str
-    dgrad: str
-    wgrad: str
+    forward: Format
+    dgrad: Format
+    wgrad: Format
+
+    @property
+    def formats(self) -> tuple[Format, Format, Format]:
+        return self.forward, self.dgrad, self.wgrad
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any GEMM family quantizes its operands."""
+        return any(f.quantized for f in self.formats)
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -47,10 +78,11 @@ PRECISIONS: dict[str, Precision] = {
         Precision("mxfp8_wgrad_bf16", MXFP8, MXFP8, NATIVE),
     )
 }
-"""Every precision the operator runs, by name (the name travels through the custom op)."""
+"""Every precision the operator runs, by name."""
 
 PRECISION_CHOICES = ("auto", "bf16", "fp8", "fp8_bwd", "mxfp8")
-"""What ``[mega_moe] precision`` accepts."""
+"""What ``[mega_moe] precision`` (and every script's ``--precision``) accepts; ``auto``
+follows the torchao grouped-MM converter in ``model.converters``."""
 
 GROUPED_MM_FLOAT8 = "quantize.grouped_mm.float8"
 GROUPED_MM_MX = "quantize.grouped_mm.mx"
@@ -81,8 +113,7 @@ def precision_from_recipe(converters: list[str], mx_recipe: str) -> tuple[str, s
 
 
 def get_precision(name: str) -> Precision:
+    """The precision called ``name``; raises naming the known ones."""
     if name not in PRECISIONS:
-        raise ValueError(
-            f"unknown precision {name!r}; known precisions: {', '.join(PRECISIONS)}"
-        )
+        raise ValueError(f"unknown precision {name!r}; known precisions: {', '.join(PRECISIONS)}")
     return PRECISIONS[name]

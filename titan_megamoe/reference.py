@@ -30,24 +30,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titan_megamoe.precision import (
-    E4M3_MAX,
-    FP8_BLOCK,
-    FP8_BLOCK_ACTIVATION,
-    FP8_BLOCK_WEIGHT,
-    MX_BLOCK,
-    MXFP8,
-    NATIVE,
-    UE8M0_EXP_MAX,
-    UE8M0_EXP_MIN,
-    get_precision,
-)
+from titan_megamoe.precision import E4M3_MAX, UE8M0_EXP_MAX, UE8M0_EXP_MIN, Format, Precision
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius error ``|actual - expected| / |expected|``, the measure every
     tolerance of the project is stated in (NaN in ``actual`` gives NaN)."""
     diff = (actual.double() - expected.double()).norm()
     return (diff / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def max_row_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest relative error of one row, ``max_r |a_r - e_r| / |e_r|`` over the last
+    dimension: a global norm hides a single wrong row, this does not. A row whose expected
+    norm is 0 counts its absolute error (NaN in ``actual`` gives NaN)."""
+    a, e = actual.double().flatten(0, -2), expected.double().flatten(0, -2)
+    diff, norm = (a - e).norm(dim=-1), e.norm(dim=-1)
+    return torch.where(norm > 0, diff / norm.clamp_min(1e-300), diff).max().item() if a.numel() else 0.0
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -60,42 +58,49 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _quantize_tiles(t: torch.Tensor, tile: tuple[int, int], power_of_two: bool) -> torch.Tensor:
-    """e4m3 with one fp32 scale per ``tile`` of a 2-D tensor (edge tiles may be partial)."""
+def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool):
+    """``t [rows, cols]`` as e4m3 values and one fp32 scale per ``block`` (edge blocks may
+    be partial): ``t ~= q * scale``. The scale is ``amax / 448``, or with ``power_of_two``
+    the power of two rounded up from it (UE8M0, RCEIL); an all-zero block gets scale 1.
+
+    Returns ``(q [rows, cols] float8_e4m3fn, scales [ceil(rows / br), ceil(cols / bc)] fp32)``:
+    what the kernels' row-quantize helper stores.
+    """
     rows, cols = t.shape
-    tr, tc = tile
-    pad_r, pad_c = (-rows) % tr, (-cols) % tc
+    br, bc = block
+    pad_r, pad_c = (-rows) % br, (-cols) % bc
     padded = F.pad(t.float(), (0, pad_c, 0, pad_r))
-    tiles = padded.view((rows + pad_r) // tr, tr, (cols + pad_c) // tc, tc)
-    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    blocks = padded.view((rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if power_of_two:
-        # UE8M0, rounded up (RCEIL) so that amax / scale <= E4M3_MAX.
         exponent = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
         scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
     else:
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    quantized = (tiles / scale).to(torch.float8_e4m3fn)
-    dequantized = quantized.float() * scale
-    return dequantized.view(rows + pad_r, cols + pad_c)[:rows, :cols]
+    q = (blocks / scale).to(torch.float8_e4m3fn)
+    q = q.view(rows + pad_r, cols + pad_c)[:rows, :cols]
+    return q, scale.view(scale.shape[0], scale.shape[2])
 
 
-def quantize_operand(t: torch.Tensor, fmt: str, is_weight: bool) -> torch.Tensor:
-    """A GEMM operand ``[rows, K]`` as the kernel sees it, in the accumulation dtype.
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`, in fp32."""
+    rows, cols = q.shape
+    expanded = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * expanded[:rows, :cols]
 
-    ``is_weight`` selects fp8_block's 128x128 weight tiles over the 1x128 activation tiles;
-    mxfp8 uses 1x32 blocks along K for every operand.
-    """
-    if fmt == NATIVE:
+
+def quantize_operand(t: torch.Tensor, fmt: Format, is_weight: bool) -> torch.Tensor:
+    """A GEMM operand ``[rows, K]`` as the kernel sees it, in the accumulation dtype:
+    quantized in ``fmt`` (weights in its weight blocks, other operands in its activation
+    blocks) and dequantized again."""
+    if not fmt.quantized:
         return _acc(t)
-    if fmt == FP8_BLOCK:
-        tile = FP8_BLOCK_WEIGHT if is_weight else FP8_BLOCK_ACTIVATION
-        return _quantize_tiles(t, tile, power_of_two=False)
-    if fmt == MXFP8:
-        return _quantize_tiles(t, (1, MX_BLOCK), power_of_two=True)
-    raise ValueError(f"unknown operand format {fmt!r}")
+    block = fmt.block(is_weight)
+    q, scales = quantize_blocks(t, block, fmt.power_of_two)
+    return dequantize_blocks(q, scales, block)
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, fmt: str, b_is_weight: bool) -> torch.Tensor:
+def gemm(a: torch.Tensor, b: torch.Tensor, fmt: Format, b_is_weight: bool) -> torch.Tensor:
     """``a @ b.T`` in fp32 with both operands ``[*, K]`` quantized along K in ``fmt``."""
     return quantize_operand(a, fmt, is_weight=False) @ quantize_operand(b, fmt, b_is_weight).T
 
@@ -199,7 +204,7 @@ def _expert_input(x: torch.Tensor, topk_w: torch.Tensor, layout: DispatchLayout,
 # ---------------------------------------------------------------------------------------
 
 
-def _expert_forward(xe, w1e, w2e, w3e, fmt: str, dtype: torch.dtype):
+def _expert_forward(xe, w1e, w2e, w3e, fmt: Format, dtype: torch.dtype):
     """One expert on its rows: GEMM1 pre-activations ``a``, ``b`` (accumulation dtype),
     the SwiGLU output ``h`` and the output rows (both rounded to ``dtype``)."""
     a = gemm(xe, w1e, fmt, True)
@@ -217,10 +222,10 @@ def moe_forward(
     w3: torch.Tensor,
     group: dist.ProcessGroup | None,
     score_before_experts: bool,
-    precision: str,
+    precision: Precision,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``y [T, H]`` (dtype of x) and the rows received per local expert (int64)."""
-    fmt = get_precision(precision).forward
+    fmt = precision.forward
     num_tokens, top_k = topk_idx.shape
     layout = dispatch_layout(topk_idx, w1.shape[0], group)
 
@@ -248,13 +253,13 @@ def moe_backward(
     w3: torch.Tensor,
     group: dist.ProcessGroup | None,
     score_before_experts: bool,
-    precision: str,
+    precision: Precision,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dx, d_topk_w, dw1, dw2, dw3)`` of ``moe_forward`` given ``dy``.
 
     The dispatch and the first GEMM are recomputed from the inputs (forward format).
     """
-    prec = get_precision(precision)
+    prec = precision
     num_tokens, top_k = topk_idx.shape
     layout = dispatch_layout(topk_idx, w1.shape[0], group)
     slot_scores = _acc(topk_w.reshape(-1)[layout.send_order].unsqueeze(1))

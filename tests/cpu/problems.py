@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.reference import relative_error
+from titan_megamoe.settings import OperatorSettings
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 48, 8, 3
 
@@ -62,12 +63,13 @@ def rel_err(a, b):
 
 
 def run_op(x, idx, w, w1, w2, w3, group, score_before, precision, dy):
-    """Forward + backward through the custom op; returns y and all gradients."""
+    """Forward + backward through the custom op (reference backend, ``precision`` by
+    name); returns y and all gradients."""
     leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
     xl, wl, w1l, w2l, w3l = leaves
     y, counts = mega_moe(
         xl, idx, wl, w1l, w2l, w3l, group,
-        score_before_experts=score_before, precision=precision, backend="reference",
+        score_before_experts=score_before, settings=OperatorSettings(precision=precision, backend="reference"),
     )
     y.backward(dy)
     return y.detach(), counts, [t.grad for t in leaves]
@@ -137,14 +139,13 @@ def poison_fused_buffers() -> None:
             t.fill_(float("nan"))
 
 
-def assert_compiles_like_eager(backend: str, x, idx, w, w1, w2, w3, **options) -> None:
-    """``mega_moe`` on ``backend`` traces under ``torch.compile(fullgraph=True)`` (fake
-    implementations, autograd formula) and gives, output and gradients, exactly what it
-    gives eagerly."""
+def assert_compiles_like_eager(settings: OperatorSettings, x, idx, w, w1, w2, w3) -> None:
+    """``mega_moe`` with ``settings`` traces under ``torch.compile(fullgraph=True)`` (fake
+    implementations, autograd formula, the settings string) and gives, output and
+    gradients, exactly what it gives eagerly."""
 
     def layer(x_, w_, w1_, w2_, w3_):
-        return mega_moe(x_, idx, w_, w1_, w2_, w3_, None, score_before_experts=False,
-                        precision="bf16", backend=backend, **options)[0]
+        return mega_moe(x_, idx, w_, w1_, w2_, w3_, None, score_before_experts=False, settings=settings)[0]
 
     results = []
     for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):

@@ -7,13 +7,15 @@ import logging
 import pytest
 import torch
 
-import titan_megamoe.config  # noqa: F401  (registers the converter)
+import titan_megamoe.registry  # noqa: F401  (registers the converter with TorchTitan)
 from problems import rel_err
+from titan_megamoe import fused_support, stock
 from titan_megamoe.config import MegaMoE as MegaMoESection
 from titan_megamoe.converter import MegaMoEConverter
 from titan_megamoe.layer import MegaMoE
 from titan_megamoe.ops import BACKENDS, SAVE_LIST_OPS
 from titan_megamoe.precision import precision_from_recipe
+from titan_megamoe.settings import DEFAULT_TIMEOUT_S
 
 
 def parse(*args):
@@ -40,10 +42,11 @@ def build_converters(job):
     "field, value, message",
     [
         ("precision", "fp4", "precision = 'fp4' is not valid; allowed values: 'auto', 'bf16', 'fp8', 'fp8_bwd', 'mxfp8'"),
-        ("backend", "cuda", "backend = 'cuda' is not valid; allowed values: 'auto', 'fused', 'reference'"),
-        ("gemm1_activations", "keep", "gemm1_activations = 'keep' is not valid; allowed values: 'recompute', 'save'"),
+        ("backend", "cuda", "backend = 'cuda' is not valid; allowed values: 'auto', 'fused', 'stock', 'reference'"),
+        ("save_gemm1", "save", "save_gemm1 = 'save' is not valid; expected true or false"),
         ("capacity_tokens_per_rank", -1, "capacity_tokens_per_rank = -1 is not valid; expected an integer >= 0"),
         ("comm_sms", 1.5, "comm_sms = 1.5 is not valid"),
+        ("timeout_s", 0.0, "timeout_s = 0.0 is not valid; expected seconds > 0"),
     ],
 )
 def test_bad_section_values_name_field_and_choices(field, value, message):
@@ -65,7 +68,17 @@ def test_section_defaults_and_cli_overrides():
     assert job.mega_moe.precision == "fp8_bwd"
     assert job.mega_moe.backend == "auto"
     assert job.mega_moe.capacity_tokens_per_rank == 4096
-    assert job.mega_moe.gemm1_activations == "recompute"
+    assert (job.mega_moe.save_gemm1, job.mega_moe.timeout_s) == (False, DEFAULT_TIMEOUT_S)
+    job = parse("--mega_moe.save_gemm1", "--mega_moe.timeout_s=12.5")
+    assert (job.mega_moe.save_gemm1, job.mega_moe.timeout_s) == (True, 12.5)
+
+
+def test_section_keys_are_the_settings_fields():
+    from titan_megamoe.settings import OperatorSettings
+
+    assert [f.name for f in dataclasses.fields(MegaMoESection)] == [
+        f.name for f in dataclasses.fields(OperatorSettings)
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -82,7 +95,7 @@ def test_section_defaults_and_cli_overrides():
          "expert_parallel_comm_backend = 'deepep': mega_moe does its own dispatch and combine"),
         (("--parallelism.pipeline_parallel_degree=2",),
          "pipeline_parallel_degree = 2: mega_moe is not tested with pipeline schedules"),
-        (("--mega_moe.backend=fused",), "backend = 'fused' cannot run here: it needs a CUDA GPU"),
+        (("--mega_moe.backend=fused",), "backend = 'fused' cannot run here: "),
     ],
 )
 def test_unservable_jobs_fail_at_convert_time(args, message):
@@ -91,38 +104,94 @@ def test_unservable_jobs_fail_at_convert_time(args, message):
         build_converters(job)
 
 
+def test_mega_moe_listed_twice_is_refused():
+    job = parse("--model.converters", "mega_moe,mega_moe")
+    with pytest.raises(ValueError, match="model.converters lists 'mega_moe' 2 times; list it once"):
+        build_converters(job)
+
+
 def test_fused_only_settings_are_reported_when_ignored(caplog):
-    job = parse("--mega_moe.backend=reference", "--mega_moe.comm_sms=16")
+    job = parse("--mega_moe.backend=reference", "--mega_moe.comm_sms=16", "--mega_moe.save_gemm1")
     with caplog.at_level(logging.WARNING):
         MegaMoEConverter(job, None)
-    assert any("comm_sms = 16 only affect the fused backend" in r.message for r in caplog.records)
+    assert any("comm_sms = 16, save_gemm1 = True only affect the fused backend" in r.message
+               for r in caplog.records)
 
 
-def test_fused_settings_reach_the_layers():
+def test_settings_reach_the_layers():
     job = parse("--training.local_batch_size=3", "--training.seq_len=512", "--mega_moe.comm_sms=24")
-    assert MegaMoEConverter(job, None).settings.capacity_tokens == 3 * 512
-    job = parse("--mega_moe.capacity_tokens_per_rank=999")
-    settings = MegaMoEConverter(job, None).settings
-    assert (settings.capacity_tokens, settings.comm_sms) == (999, 0)
+    assert MegaMoEConverter(job, None).settings.capacity_tokens_per_rank == 3 * 512
+    job = parse("--mega_moe.capacity_tokens_per_rank=999", "--mega_moe.save_gemm1", "--mega_moe.timeout_s=7",
+                "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference")
+    converter = MegaMoEConverter(job, None)
+    settings = converter.settings
+    assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.save_gemm1, settings.timeout_s) == (
+        999, 0, True, 7.0
+    )
+    assert (settings.precision.name, settings.backend) == ("fp8_bwd", "reference")
+    model = debug_model("qwen3")
+    converter.convert(model)
+    layers = [m for m in model.modules() if isinstance(m, MegaMoE)]
+    assert layers and all(m.experts.settings is settings and not m.experts.auto_backend for m in layers)
+
+
+def _fused_runs_bf16_only(device, dtype, precision, ep_within_node):
+    return None if dtype == torch.bfloat16 else f"test: no {dtype} kernels"
 
 
 @pytest.mark.parametrize(
-    "precision, capability, expected",
-    [
-        ("bf16", (9, 0), "fused"),
-        ("fp8_bwd", (9, 0), "reference"),  # quantized backward: not fused yet
-        ("fp8", (9, 0), "reference"),
-        ("bf16", (8, 0), "reference"),
-    ],
+    "param_dtype, dp_shard, expected",
+    [("bfloat16", 2, "fused"), ("float32", 2, "stock"), ("bfloat16", 1, "stock")],  # 1: AMP, fp32 weights
 )
-def test_auto_backend_takes_the_first_that_can_run(precision, capability, expected, monkeypatch):
-    from titan_megamoe import ops
+def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shard, expected, monkeypatch, caplog):
+    from torchtitan.distributed import ParallelDims
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
-    backend, why = ops.resolve_backend("auto", torch.device("cuda"), precision)
-    assert backend == expected
-    if expected == "reference":
-        assert why.startswith("auto on cuda; not fused: ")
+    monkeypatch.setattr(fused_support, "unsupported_reason", _fused_runs_bf16_only)
+    monkeypatch.setattr(stock, "unsupported_reason", lambda *_: None)
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=dp_shard)
+    job = parse(f"--training.mixed_precision_param={param_dtype}")
+    with caplog.at_level(logging.INFO):
+        converter = MegaMoEConverter(job, dims)
+    assert converter.settings.backend == expected and converter.auto_backend
+    (line,) = [r.message for r in caplog.records if "routed experts run" in r.message]
+    if expected == "stock":
+        assert "backend 'stock' (auto; skipped fused: test: no torch.float32 kernels" in line
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_fused_layer_runs_stock_for_a_dtype_fused_cannot_run_only_under_auto(auto, monkeypatch, caplog):
+    checked, stock_calls = [], []
+    real_routed_experts = stock.routed_experts
+
+    def fused_check(device, dtype, precision, ep_within_node):
+        checked.append(dtype)
+        return _fused_runs_bf16_only(device, dtype, precision, ep_within_node)
+
+    def routed_experts(*args):
+        stock_calls.append(1)
+        return real_routed_experts(*args)
+
+    monkeypatch.setattr(fused_support, "unsupported_reason", fused_check)
+    monkeypatch.setattr(stock, "routed_experts", routed_experts)
+    converter = MegaMoEConverter(parse("--mega_moe.backend=reference"), None)
+    # As the converter leaves it when auto chose fused for bf16 experts, or fused was asked for.
+    converter.settings = converter.settings.replace(backend="fused")
+    converter.auto_backend = auto
+    model = debug_model("qwen3")  # fp32
+    converter.convert(model)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    if not auto:
+        with pytest.raises(NotImplementedError, match=r"backend = 'fused' cannot run these experts' torch.float32 "
+                                                      r"inputs: test: no torch.float32 kernels; set .*'auto'"):
+            model(tokens)
+        return
+    with caplog.at_level(logging.WARNING):
+        model(tokens).sum().backward()
+        model(tokens)
+    assert len(stock_calls) == 4  # 2 layers, 2 calls
+    assert checked == [torch.float32] * 2  # decided once per layer
+    fallbacks = [r.message for r in caplog.records if "cannot run torch.float32 inputs" in r.message]
+    assert len(fallbacks) == 1 and "test: no torch.float32 kernels" in fallbacks[0]
 
 
 @pytest.mark.parametrize("backend", ["auto", "fused"])
@@ -134,8 +203,8 @@ def test_ep_across_nodes_is_not_fused(backend, monkeypatch, caplog):
             MegaMoEConverter(job, None)
         return
     with caplog.at_level(logging.INFO):
-        assert MegaMoEConverter(job, None).settings.backend == "reference"
-    assert any("not fused: its EP group must be GPUs of one node" in r.message for r in caplog.records)
+        assert MegaMoEConverter(job, None).settings.backend == "stock"
+    assert any("skipped fused: its EP group must be GPUs of one node" in r.message for r in caplog.records)
 
 
 def test_converter_without_section_says_what_to_add():
@@ -178,9 +247,10 @@ def test_unknown_mx_recipe_is_named():
 )
 def test_torchao_converter_defers_to_mega_moe(grouped_mm, expected, caplog):
     # On this CPU host the stock converters refuse to start (fp8 needs SM89, MX SM100):
-    # with mega_moe in the list they are not built and leave the experts alone.
+    # with mega_moe in the list they are not built and leave the experts alone. Only the
+    # reference backend runs quantized precisions on a CPU.
     job = parse("--model.converters", f"{grouped_mm},mega_moe", "--quantize.grouped_mm.float8.fqns", "experts",
-                "--quantize.grouped_mm.mx.fqns", "experts")
+                "--quantize.grouped_mm.mx.fqns", "experts", "--mega_moe.backend=reference")
     with caplog.at_level(logging.INFO):
         container = build_converters(job)
     mapping = [r.message for r in caplog.records if "routed experts run precision" in r.message]
@@ -188,7 +258,7 @@ def test_torchao_converter_defers_to_mega_moe(grouped_mm, expected, caplog):
     model = debug_model("qwen3")
     container.convert(model)
     moe_layers = [m for m in model.modules() if isinstance(m, MegaMoE)]
-    assert moe_layers and all(m.experts.settings.precision == expected for m in moe_layers)
+    assert moe_layers and all(m.experts.settings.precision.name == expected for m in moe_layers)
     assert all(type(p) is torch.nn.Parameter for m in moe_layers for p in m.experts.parameters())
 
 
@@ -234,20 +304,21 @@ def debug_model(family: str, n_layers: int = 2, state=None, moe=None, **sizes):
     return model
 
 
+@pytest.mark.parametrize("backend", ["reference", "stock"])
 @pytest.mark.parametrize("family", ["qwen3", "llama4", "deepseek_v3"])
-def test_each_family_converts_and_matches_stock(family):
-    stock = debug_model(family)
-    converted = debug_model(family, state=stock.state_dict())
-    MegaMoEConverter(parse(), None).convert(converted)
+def test_each_family_converts_and_matches_stock(family, backend):
+    original = debug_model(family)
+    converted = debug_model(family, state=original.state_dict())
+    MegaMoEConverter(parse(f"--mega_moe.backend={backend}"), None).convert(converted)
     assert any(isinstance(m, MegaMoE) for m in converted.modules())
-    assert list(stock.state_dict()) == list(converted.state_dict())
+    assert list(original.state_dict()) == list(converted.state_dict())
 
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    out_stock, out_conv = stock(tokens), converted(tokens)
+    out_stock, out_conv = original(tokens), converted(tokens)
     assert rel_err(out_conv, out_stock) < 1e-5
     out_stock.square().mean().backward()
     out_conv.square().mean().backward()
-    stock_params = dict(stock.named_parameters())
+    stock_params = dict(original.named_parameters())
     for name, p in converted.named_parameters():
         assert rel_err(p.grad, stock_params[name].grad) < 1e-5, name
 
@@ -263,20 +334,21 @@ def test_activation_checkpointing(mode, forward_calls, monkeypatch):
     import torchtitan.models.qwen3.infra.parallelize as qwen3
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
-    job = parse(f"--activation_checkpoint.mode={mode}", "--activation_checkpoint.selective_ac_option=op")
+    job = parse(f"--activation_checkpoint.mode={mode}", "--activation_checkpoint.selective_ac_option=op",
+                "--mega_moe.backend=reference")
     model = debug_model("qwen3")
     MegaMoEConverter(job, None).convert(model)
     apply_ac(model, job.activation_checkpoint, op_sac_save_list=qwen3._op_sac_save_list)
 
     calls = []
+    reference = BACKENDS["reference"]
 
-    reference_forward = BACKENDS["reference"].forward
-
-    def counting_forward(*args, **options):
+    def counting_forward(*args):
         calls.append(1)
-        return reference_forward(*args, **options)
+        return reference.op.forward(*args)
 
-    monkeypatch.setitem(BACKENDS, "reference", dataclasses.replace(BACKENDS["reference"], forward=counting_forward))
+    counting = dataclasses.replace(reference, op=dataclasses.replace(reference.op, forward=counting_forward))
+    monkeypatch.setitem(BACKENDS, "reference", counting)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     model(tokens).square().mean().backward()
     assert len(calls) == forward_calls  # 2 MoE layers

@@ -22,7 +22,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def job_config(layout: str, converters: list[str], param_dtype: str = "float32"):
+def job_config(layout: str, converters: list[str], param_dtype: str = "float32", backend: str = "reference"):
     from torchtitan.config import ConfigManager
 
     degrees = {"fsdp_ep": ("2", "1"), "tp_ep": ("1", "2")}[layout]  # (fsdp, tp)
@@ -38,6 +38,7 @@ def job_config(layout: str, converters: list[str], param_dtype: str = "float32")
             f"--parallelism.data_parallel_shard_degree={degrees[0]}",
             f"--parallelism.tensor_parallel_degree={degrees[1]}",
             "--parallelism.disable_loss_parallel",
+            f"--mega_moe.backend={backend}",
         ]
         + (["--model.converters", *converters] if converters else [])
     )
@@ -55,7 +56,8 @@ def model_args(score_before: bool):
     return dataclasses.replace(base, n_layers=2, moe_args=moe_args, max_seq_len=SEQ)
 
 
-def build(layout: str, score_before: bool, convert: bool, state: dict | None, param_dtype="float32"):
+def build(layout: str, score_before: bool, convert: bool, state: dict | None, param_dtype="float32",
+          backend="reference"):
     """A parallelized model; returns (model, its job config)."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
@@ -63,7 +65,7 @@ def build(layout: str, score_before: bool, convert: bool, state: dict | None, pa
     from titan_megamoe import cpu_compat
     from titan_megamoe.converter import MegaMoEConverter
 
-    job = job_config(layout, ["mega_moe"] if convert else [], param_dtype)
+    job = job_config(layout, ["mega_moe"] if convert else [], param_dtype, backend)
     p = job.parallelism
     dims = ParallelDims(
         dp_replicate=1, dp_shard=p.data_parallel_shard_degree, cp=1,
@@ -83,13 +85,14 @@ def build(layout: str, score_before: bool, convert: bool, state: dict | None, pa
     return model
 
 
-def _parity_rank(rank, world_size, layout, score_before, param_dtype, tolerance, checkpoint_dir):
+def _parity_rank(rank, world_size, layout, score_before, param_dtype, tolerance, checkpoint_dir, backend):
     from titan_megamoe.layer import MegaMoE
 
     stock = build(layout, score_before, convert=False, state=None, param_dtype=param_dtype)
     state = {k: full(v).clone() for k, v in stock.state_dict().items()}
-    converted = build(layout, score_before, convert=True, state=state, param_dtype=param_dtype)
-    assert sum(isinstance(m, MegaMoE) for m in converted.modules()) == 2
+    converted = build(layout, score_before, convert=True, state=state, param_dtype=param_dtype, backend=backend)
+    layers = [m for m in converted.modules() if isinstance(m, MegaMoE)]
+    assert len(layers) == 2 and all(m.experts.settings.backend == backend for m in layers)
 
     # State dict: same keys, shapes and placements both ways.
     stock_sd, converted_sd = stock.state_dict(), converted.state_dict()
@@ -155,16 +158,17 @@ def _parity_rank(rank, world_size, layout, score_before, param_dtype, tolerance,
 
 
 @pytest.mark.parametrize(
-    "score_before, param_dtype, tolerance",
+    "backend, score_before, param_dtype, tolerance",
     [
-        (False, "float32", TOLERANCE),
-        (True, "float32", TOLERANCE),
+        ("reference", False, "float32", TOLERANCE),
+        ("reference", True, "float32", TOLERANCE),
         # FSDP2 mixed precision: bf16 compute, fp32 router scores (as stock keeps them).
-        (False, "bfloat16", BF16_TOLERANCE),
+        ("reference", False, "bfloat16", BF16_TOLERANCE),
+        ("stock", False, "float32", TOLERANCE),
     ],
 )
-def test_converted_matches_stock_fsdp_ep(score_before, param_dtype, tolerance, tmp_path):
-    run_ranks(_parity_rank, 2, "fsdp_ep", score_before, param_dtype, tolerance, str(tmp_path),
+def test_converted_matches_stock_fsdp_ep(backend, score_before, param_dtype, tolerance, tmp_path):
+    run_ranks(_parity_rank, 2, "fsdp_ep", score_before, param_dtype, tolerance, str(tmp_path), backend,
               timeout_s=600)
 
 
@@ -193,7 +197,7 @@ class _Blocks(torch.nn.Module):
         self.layers = torch.nn.ModuleDict({"0": _Block(moe)})
 
 
-def _tp_layer_rank(rank, world_size, score_before):
+def _tp_layer_rank(rank, world_size, score_before, backend):
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
     from torchtitan.models.moe import MoE
@@ -213,7 +217,7 @@ def _tp_layer_rank(rank, world_size, score_before):
             moe.init_weights(init_std=0.02, buffer_device=torch.device("cpu"))
         blocks = _Blocks(moe)
         if convert:
-            MegaMoEConverter(job_config("tp_ep", ["mega_moe"]), dims).convert(blocks)
+            MegaMoEConverter(job_config("tp_ep", ["mega_moe"], backend=backend), dims).convert(blocks)
         apply_moe_ep_tp(
             blocks, tp_mesh=dims.get_mesh("tp"), ep_mesh=dims.get_mesh("ep"),
             etp_mesh=None, ep_etp_mesh=None,
@@ -236,6 +240,6 @@ def _tp_layer_rank(rank, world_size, score_before):
         assert rel_err(full(p.grad), full(stock_params[name].grad)) < TOLERANCE, name
 
 
-@pytest.mark.parametrize("score_before", [False, True])
-def test_converted_layer_matches_stock_tp_ep(score_before):
-    run_ranks(_tp_layer_rank, 2, score_before, timeout_s=300)
+@pytest.mark.parametrize("backend, score_before", [("reference", False), ("reference", True), ("stock", False)])
+def test_converted_layer_matches_stock_tp_ep(backend, score_before):
+    run_ranks(_tp_layer_rank, 2, score_before, backend, timeout_s=300)

@@ -11,6 +11,9 @@ from ranks import run_ranks
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import E4M3_MAX, FP8_BLOCK, MXFP8, NATIVE
 from titan_megamoe.reference import quantize_operand
+from titan_megamoe.settings import OperatorSettings
+
+REFERENCE = OperatorSettings(backend="reference")
 
 @pytest.mark.parametrize("score_before", [False, True])
 @pytest.mark.parametrize("routing", ["random", "skewed"])
@@ -37,8 +40,7 @@ def test_gradcheck_float64(score_before):
 
     def fn(x_, w1_, w2_, w3_):
         return mega_moe(
-            x_, idx, topk_w, w1_, w2_, w3_, None,
-            score_before_experts=score_before, precision="bf16", backend="reference",
+            x_, idx, topk_w, w1_, w2_, w3_, None, score_before_experts=score_before, settings=REFERENCE
         )[0]
 
     inputs = tuple(t.requires_grad_(True) for t in (x, w1, w2, w3))
@@ -113,14 +115,12 @@ def test_two_ranks_fp8_within_tolerance():
 # --------------------------------------------------------------------------------------
 
 
-def _call(**overrides):
+def _call(settings=REFERENCE, **overrides):
     x, idx, w = make_problem(4, "random", seed=0)
     w1, w2, w3 = make_weights()
     args = dict(x=x, topk_idx=idx, topk_w=w, w1=w1, w2=w2, w3=w3, group=None)
-    options = dict(score_before_experts=False, precision="bf16", backend="reference")
-    for key, value in overrides.items():
-        (args if key in args else options)[key] = value
-    return mega_moe(*args.values(), **options)
+    args.update(overrides)
+    return mega_moe(*args.values(), score_before_experts=False, settings=settings)
 
 
 @pytest.mark.parametrize(
@@ -132,17 +132,29 @@ def _call(**overrides):
         (dict(topk_w=torch.ones(4, TOP_K, dtype=torch.float64)), "topk_w must be float32"),
         (dict(w2=torch.randn(EXPERTS, INTER, HIDDEN)), "w2 must have shape"),
         (dict(topk_idx=torch.full((4, TOP_K), EXPERTS)), f"expert id {EXPERTS}, outside"),
-        (dict(precision="fp4"), "unknown precision 'fp4'"),
-        (dict(backend="fused"), "backend = 'fused'"),
-        (dict(backend="magic"), "backend = 'magic' is unknown"),
     ],
 )
 def test_input_errors_name_the_bad_value(overrides, message):
-    with pytest.raises((ValueError, NotImplementedError), match=message):
+    with pytest.raises(ValueError, match=message):
         _call(**overrides)
+
+
+@pytest.mark.parametrize(
+    "backend, error, message",
+    [
+        ("auto", ValueError, r"settings.backend = 'auto' is not a backend the operator runs; .*resolve_backend"),
+        ("magic", ValueError, r"settings.backend = 'magic' is not a backend the operator runs; "
+                              r"pass a resolved one \('fused', 'reference'\)"),
+        ("stock", ValueError, r"settings.backend = 'stock' is TorchTitan's own path.*titan_megamoe.stock.routed_experts"),
+        ("fused", NotImplementedError, r"settings.backend = 'fused' cannot run here: "),
+    ],
+)
+def test_unresolved_or_unrunnable_backend_is_refused(backend, error, message):
+    with pytest.raises(error, match=message):
+        _call(settings=OperatorSettings(backend=backend))
 
 
 def test_compiles_fullgraph():
     """The custom ops trace (fake implementations, autograd formula) without graph breaks."""
     x, idx, w = make_problem(37, "random", seed=0)
-    assert_compiles_like_eager("reference", x, idx, w, *make_weights())
+    assert_compiles_like_eager(REFERENCE, x, idx, w, *make_weights())

@@ -148,6 +148,8 @@ def test_train_config_parses(path: Path):
     if variant == "fp8":
         assert config.quantize.grouped_mm.float8.fqns == ["experts"]
     assert (config.mega_moe.precision, config.mega_moe.backend) == ("auto", "auto")
+    # Only the 4-layer 30B-A3B A/B keeps GEMM1's pre-activations (full AC holds one layer's).
+    assert config.mega_moe.save_gemm1 is (path.stem == "qwen3_30b_a3b_4l_mega_moe")
     assert config.training.dataset == data.DATASET_NAME
     assert (REPO / config.model.hf_assets_path).resolve() == Path(data.TOKENIZER_DIR)
     assert config.metrics.log_freq == 1

@@ -1,0 +1,202 @@
+"""One ``OperatorSettings`` from the caller to the backends: through the custom ops
+(eager and compiled), backend resolution, the checks ``mega_moe`` makes of it, and what
+importing the package loads."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from problems import make_problem, make_weights
+from ranks import run_ranks
+from titan_megamoe import fused_support, ops
+from titan_megamoe.ops import mega_moe, resolve_backend
+from titan_megamoe.precision import get_precision
+from titan_megamoe.settings import OperatorSettings
+
+SETTINGS = OperatorSettings(
+    precision="fp8_bwd", backend="reference", capacity_tokens_per_rank=123, comm_sms=7, save_gemm1=True,
+    timeout_s=12.5,
+)
+"""Every field away from its default."""
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_settings_reach_the_backend_unchanged(compiled, monkeypatch):
+    seen = []
+    reference = ops.BACKENDS["reference"]
+
+    def recording(kind):
+        def call(*args):
+            seen.append((kind, args[-1]))
+            return getattr(reference.op, kind)(*args)
+        return call
+
+    op = ops.OpImpl(*(recording(kind) for kind in ("forward", "backward", "saved_shape")))
+    monkeypatch.setitem(ops.BACKENDS, "reference", dataclasses.replace(reference, op=op))
+
+    x, idx, w = make_problem(11, "random", seed=0)
+    w1, w2, w3 = make_weights()
+
+    def layer(x_, w1_):
+        return mega_moe(x_, idx, w, w1_, w2, w3, None, score_before_experts=False, settings=SETTINGS)[0]
+
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    x.requires_grad_(True)
+    w1.requires_grad_(True)
+    fn(x, w1).square().sum().backward()
+    kinds = [kind for kind, _ in seen]
+    assert [k for k in kinds if k != "saved_shape"] == ["forward", "backward"]
+    # Tracing runs the fake implementation, which asks for the saved shape.
+    assert ("saved_shape" in kinds) == compiled
+    assert all(settings == SETTINGS for _, settings in seen)
+    assert x.grad is not None and w1.grad is not None
+
+
+# --------------------------------------------------------------------------------------
+# Resolving a backend.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fused_reason, stock_reason, expected",
+    [(None, None, "fused"), ("test: no GPU", None, "stock"), ("test: no GPU", "test: no stock", None)],
+)
+def test_auto_takes_fused_else_stock_never_reference(fused_reason, stock_reason, expected, monkeypatch):
+    from titan_megamoe import stock
+
+    asked = []
+
+    def fused_check(*args):
+        asked.append(args)
+        return fused_reason
+
+    monkeypatch.setattr(fused_support, "unsupported_reason", fused_check)
+    monkeypatch.setattr(stock, "unsupported_reason", lambda *_: stock_reason)
+    where = (torch.device("cuda"), torch.bfloat16, get_precision("fp8"), False)
+    if expected is None:
+        with pytest.raises(NotImplementedError, match="backend = 'auto' found no backend that can run here: "
+                                                      "fused: test: no GPU; stock: test: no stock"):
+            resolve_backend("auto", *where)
+        return
+    backend, why = resolve_backend("auto", *where)
+    assert asked == [where]
+    assert backend == expected
+    assert why == ("auto" if expected == "fused" else "auto; skipped fused: test: no GPU")
+
+
+def test_named_backend_runs_or_says_why(monkeypatch):
+    monkeypatch.setattr(fused_support, "unsupported_reason", lambda *_: "test: no GPU")
+    where = (torch.device("cpu"), torch.float32, get_precision("bf16"))
+    with pytest.raises(NotImplementedError, match=r"\[mega_moe\] backend = 'fused' cannot run here: test: no GPU"):
+        resolve_backend("fused", *where)
+    assert resolve_backend("reference", *where) == ("reference", "asked for")
+    with pytest.raises(ValueError, match="backend = 'fast' is unknown; known backends: 'auto', 'fused', 'stock', "
+                                         "'reference'"):
+        resolve_backend("fast", *where)
+
+
+def test_config_and_operator_name_the_same_backends():
+    from titan_megamoe.config import BACKEND_CHOICES
+
+    assert BACKEND_CHOICES == ("auto", *ops.BACKENDS)
+
+
+# --------------------------------------------------------------------------------------
+# The fused backend on more than one rank needs a capacity.
+# --------------------------------------------------------------------------------------
+
+
+def _capacity_rank(rank, world_size):
+    # "fused" computing as the reference: the check under test comes before any kernel.
+    ops.BACKENDS["fused"] = dataclasses.replace(
+        ops.BACKENDS["fused"], unsupported=lambda *_: None, op=ops.BACKENDS["reference"].op
+    )
+    x, idx, w = make_problem(5, "random", seed=rank)
+    weights = make_weights()
+    local = [t[rank * 4 : (rank + 1) * 4] for t in weights]
+
+    def call(group, ws, **settings):
+        return mega_moe(x, idx, w, *ws, group, score_before_experts=False, settings=OperatorSettings(**settings))
+
+    with pytest.raises(ValueError, match="settings.capacity_tokens_per_rank = 0 with the fused backend on 2 ranks"):
+        call(dist.group.WORLD, local, backend="fused")
+    call(dist.group.WORLD, local, backend="fused", capacity_tokens_per_rank=5)
+    call(dist.group.WORLD, local, backend="reference")
+    call(None, weights, backend="fused")  # one rank: the call's own token count
+
+
+def test_fused_on_several_ranks_needs_a_capacity():
+    run_ranks(_capacity_rank, 2, timeout_s=300)
+
+
+# --------------------------------------------------------------------------------------
+# What importing loads.
+# --------------------------------------------------------------------------------------
+
+
+def _python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_config_module_is_a_leaf():
+    loaded = _python(
+        "import sys, titan_megamoe.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('titan_megamoe', 'torch', 'triton'))))"
+    )
+    assert loaded == "['titan_megamoe', 'titan_megamoe.config', 'titan_megamoe.precision', 'titan_megamoe.settings']"
+
+
+def test_torchtitan_loading_the_config_registers_everything_without_the_kernels():
+    loaded = _python(
+        """
+import sys
+from torchtitan.config import ConfigManager
+from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.models.qwen3 import qwen3_args
+from torchtitan.protocols.model_converter import build_model_converters
+
+job = ConfigManager().parse_args([
+    "--job.custom_config_module=titan_megamoe.config", "--model.name=qwen3", "--model.flavor=debugmodel_moe",
+    "--model.converters", "mega_moe", "--mega_moe.backend=reference",
+])
+(converter,) = build_model_converters(job, None).converters
+assert type(converter).__name__ == "MegaMoEConverter"
+assert "megamoe_text" in DATASETS and "30B-A3B-4L" in qwen3_args
+print(sorted(m for m in sys.modules if m == "titan_megamoe.fused" or m.startswith("titan_megamoe.kernels.")))
+"""
+    )
+    # The tile table is plain data that the fused backend's support check reads.
+    assert loaded == "['titan_megamoe.kernels.configs']"
+
+
+def test_reference_backend_runs_without_triton_or_torchtitan():
+    # PyTorch itself imports Triton where it is installed (torch._dynamo, on a custom op's
+    # first call), so the run blocks it: as on a host without Triton.
+    loaded = _python(
+        """
+import sys
+sys.modules["triton"] = None
+import torch
+from titan_megamoe.ops import mega_moe
+from titan_megamoe.settings import OperatorSettings
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(6, 16, generator=g, requires_grad=True)
+idx = torch.rand(6, 4, generator=g).topk(2, dim=1).indices
+w = torch.rand(6, 2, generator=g)
+w1, w3 = (torch.randn(4, 8, 16, generator=g, requires_grad=True) for _ in range(2))
+w2 = torch.randn(4, 16, 8, generator=g, requires_grad=True)
+y, _ = mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False,
+                settings=OperatorSettings(backend="reference"))
+y.square().sum().backward()
+assert x.grad is not None
+print(sorted(m for m in sys.modules if m.startswith("torchtitan") or m in ("titan_megamoe.fused", "titan_megamoe.stock")))
+"""
+    )
+    assert loaded == "[]"

@@ -1,0 +1,71 @@
+"""How the operator runs: one object from the converter (or the caller of ``mega_moe``)
+to the backends and, as constexprs, to the kernels.
+
+Each knob has one name all the way down: the ``[mega_moe]`` TOML key, the field here,
+the backends' reads of it (``settings.save_gemm1`` in the fused backend becomes the
+kernels' ``SAVE_GEMM1``). The custom ops carry it as one string (``encode`` /
+``decode``), which ``torch.compile`` and activation checkpointing pass through as a
+constant.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from titan_megamoe.precision import Precision, get_precision
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long any wait of the fused kernels on a peer may last before every rank of the
+group fails (long enough for a peer that is compiling or loading data)."""
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """How one MoE layer runs the operator (resolved once, by the converter)."""
+
+    precision: Precision = dataclasses.field(default_factory=lambda: get_precision("bf16"))
+    """Formats of the three GEMM families (``titan_megamoe.precision``)."""
+    backend: str = "fused"
+    """A resolved backend name (``ops.BACKENDS``), never ``auto``."""
+    capacity_tokens_per_rank: int = 0
+    """Fused: most tokens any rank of the EP group passes one call; sizes the symmetric
+    buffers. Required when EP > 1; 0 (one rank) = the call's token count."""
+    comm_sms: int = 0
+    """Fused: programs that dispatch rows before joining the first GEMM (0: the default)."""
+    save_gemm1: bool = False
+    """Fused: the forward keeps GEMM1's pre-activations for the backward (else the
+    backward recomputes GEMM1)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Fused: wall-clock limit of any wait on a peer; past it every rank raises."""
+
+    def __post_init__(self):
+        if isinstance(self.precision, str):
+            object.__setattr__(self, "precision", get_precision(self.precision))
+        for name in ("capacity_tokens_per_rank", "comm_sms"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} = {value!r} is not valid; expected an integer >= 0")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s = {self.timeout_s!r} is not valid; expected seconds > 0")
+
+    def encode(self) -> str:
+        """One string holding every field (what the custom ops carry)."""
+        fields = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Precision):
+                value = value.name
+            elif isinstance(value, bool):
+                value = int(value)
+            fields.append(f"{f.name}={value}")
+        return ";".join(fields)
+
+    @classmethod
+    def decode(cls, encoded: str) -> "OperatorSettings":
+        """Inverse of :meth:`encode`."""
+        raw = dict(item.split("=", 1) for item in encoded.split(";"))
+        types = {"capacity_tokens_per_rank": int, "comm_sms": int, "timeout_s": float,
+                 "save_gemm1": lambda v: bool(int(v)), "precision": get_precision, "backend": str}
+        return cls(**{name: types[name](value) for name, value in raw.items()})
+
+    def replace(self, **changes) -> "OperatorSettings":
+        return dataclasses.replace(self, **changes)
