@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_rows
-from titan_megamoe.kernels.layout import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS, expert_of_row
+from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.sync import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS
 
 
 @triton.jit
@@ -37,7 +39,7 @@ def dispatch_grad_gemm1_kernel(
     recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_grad, recv_score, recv_meta, flags, state, local_base, local_rows, src_offset,
     src_rows, w1, w2t, w3, preact, h_wgrad, dab, score_parts,
-    status_addr, rank, ep, local_experts, rows_per_rank, max_spins,
+    rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
@@ -48,7 +50,7 @@ def dispatch_grad_gemm1_kernel(
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
-        for item in range(pid, tl.load(state + NUM_ITEMS), COMM_PROGRAMS):
+        for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
                 item, x, dy, topk_w, order, send_start, dest_start, item_start,
                 recv, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
@@ -58,9 +60,9 @@ def dispatch_grad_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
     out_dtype = dab.dtype.element_ty
-    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
         row0 = (tile // n_tiles) * BLOCK_M
         n_tile = tile % n_tiles
@@ -68,8 +70,8 @@ def dispatch_grad_gemm1_kernel(
         base = tl.load(local_base + le)
         end = base + tl.load(local_rows + le)
         wait_rows(
-            flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep,
-            local_experts, max_spins, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+            flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
+            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
         )
 
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -77,27 +79,17 @@ def dispatch_grad_gemm1_kernel(
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
-            g, u = gate_up(
-                recv, w1, w3, le, rows, cols, col_ok, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
-                UPCAST_DOT,
-            )
+            g, u = gate_up(recv, w1, w3, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
             u = tl.load(at + INTER, mask=col_ok[None, :], other=0.0).to(tl.float32)
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
-        ks = tl.arange(0, BLOCK_K)
-        dy_ptrs = recv_grad + rows[:, None] * HIDDEN + ks[None, :]
-        w2t_ptrs = w2t + le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
-        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
-            a = tl.load(dy_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w2t_ptrs + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            d = tl.dot(a, b, d)
+        d = tile_gemm(
+            recv_grad, None, rows, w2t, None, None, None, le, cols, INTER, HIDDEN,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, 0, 0, UPCAST_DOT,
+        )
 
         sig = tl.sigmoid(g)
         silu = g * sig
@@ -122,10 +114,11 @@ def dispatch_grad_gemm1_kernel(
             # whole blocks. Other tiles of this block may still read them; their results
             # for those rows are masked to zero above, so either value is harmless.
             pad = rows >= end
+            ks = tl.arange(0, BLOCK_K)
             zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=out_dtype)
             for c0 in range(0, HIDDEN, BLOCK_K):
                 at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
                 zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
                 tl.store(recv + at_x, zero, mask=zmask)
                 tl.store(recv_grad + at_x, zero, mask=zmask)
-        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)

@@ -1,6 +1,12 @@
-"""Tile sizes of the fused kernels: the one table to tune."""
+"""Tile sizes of the fused kernels: the one table to tune, keyed by (architecture, format
+name). Free of Triton, so the host can decide where the kernels run without importing it.
+"""
 
+import os
 from dataclasses import dataclass
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Kernels run under the Triton interpreter (CPU tests)."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,48 @@ class TileConfig:
     """Square tile of the backward's weight transposes."""
 
 
-TILE_CONFIGS = {
+TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # H100/H200 (measured on H200, docs/perf.md): GEMM1 128x(2x128)x64 in 4 stages,
     # GEMM2 128x256x64 in 3 stages, 8 warps each; backward 128x(3x64)x64 in 4 stages and
     # 128x256x64 (dgrad, as GEMM2) in 3, 8 warps.
-    "sm90": TileConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, 64, 128, 64, 8, 4, 256, 64, 8, 3, 16, 512, 16, 512, 64),
+    ("sm90", "native"): TileConfig(
+        block_m=128,
+        gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
+        gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
+        grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
+        copy_rows=16, copy_cols=512, reduce_tokens=16, reduce_cols=512, transpose_block=64,
+    ),
     # Tiny tiles for the Triton interpreter (CPU tests).
-    "interpret": TileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1, 16, 32, 16, 4, 1, 16, 16, 4, 1, 4, 16, 4, 16, 16),
+    ("interpret", "native"): TileConfig(
+        block_m=16,
+        gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
+        gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
+        grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
+        dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
+        copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, transpose_block=16,
+    ),
 }
+"""Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
+format names as ``titan_megamoe.precision`` does."""
+
+ARCH_BY_CAPABILITY = {(9, 0): "sm90"}
+"""CUDA compute capability -> architecture of the table."""
+
+
+def arch_of(capability: tuple[int, int] | None) -> str | None:
+    """The table's architecture for a GPU of compute ``capability`` (None: no GPU):
+    ``"interpret"`` whenever kernels run under the Triton interpreter, else ``"sm90"`` for
+    Hopper (9, 0); None where the table has no architecture for it."""
+    if INTERPRET:
+        return "interpret"
+    return ARCH_BY_CAPABILITY.get(capability)
+
+
+def tile_config(arch: str, fmt_name: str) -> TileConfig:
+    """The row for ``arch`` (``arch_of``) and GEMM operand format ``fmt_name``; raises
+    naming the rows there are."""
+    if (arch, fmt_name) not in TILE_CONFIGS:
+        rows = ", ".join(f"({a}, {f})" for a, f in TILE_CONFIGS)
+        raise ValueError(f"no tile config for architecture {arch!r} and format {fmt_name!r}; rows: {rows}")
+    return TILE_CONFIGS[arch, fmt_name]

@@ -19,8 +19,18 @@ interpreter, where programs run one after another in id order.
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.layout import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS, expert_of_row
-from titan_megamoe.kernels.sync import peer_pointer, signal, wait_all
+from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.sync import (
+    CHUNK_READY_TIMEOUT,
+    EPOCH,
+    GEMM1_NEXT_TILE,
+    NUM_BLOCKS,
+    NUM_ITEMS,
+    peer_pointer,
+    signal,
+    wait_all,
+)
 
 
 @triton.jit
@@ -83,8 +93,8 @@ def dispatch_item(
 
 @triton.jit
 def wait_rows(
-    flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep, local_experts,
-    max_spins, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EP_PAD: tl.constexpr,
+    flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep, local_experts,
+    CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """Wait until every source's chunks that overlap rows [row0, row0 + BLOCK_M) arrived.
@@ -100,7 +110,7 @@ def wait_rows(
     chunk = c0 + second
     need = (s < ep) & (lo < hi) & (chunk <= c1)
     ids = (s * local_experts + le) * MAX_CHUNKS + chunk
-    wait_all(flags + CHUNK_READY + ids, ids, need, epoch, status_addr, rank, 2, max_spins)
+    wait_all(flags + CHUNK_READY + ids, ids, need, epoch, CHUNK_READY_TIMEOUT, flags, flag_ptrs, state, rank, ep, EP_PAD)
     tl.debug_barrier()
 
 
@@ -108,7 +118,7 @@ def wait_rows(
 def dispatch_gemm1_kernel(
     x, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_meta, flags, state, local_base, src_offset, src_rows, w1, w3, h, preact,
-    status_addr, rank, ep, local_experts, rows_per_rank, max_spins,
+    rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
@@ -121,7 +131,7 @@ def dispatch_gemm1_kernel(
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
-        for item in range(pid, tl.load(state + NUM_ITEMS), COMM_PROGRAMS):
+        for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
                 item, x, x, topk_w, order, send_start, dest_start, item_start,
                 recv, recv, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs, meta_ptrs,
@@ -131,24 +141,22 @@ def dispatch_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
-    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
+    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
         row0 = (tile // n_tiles) * BLOCK_M
         n0 = (tile % n_tiles) * BLOCK_N
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         base = tl.load(local_base + le)
         wait_rows(
-            flags, src_offset, src_rows, base, le, row0, epoch, status_addr, rank, ep,
-            local_experts, max_spins, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+            flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
+            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
         )
 
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-        g, u = gate_up(
-            recv, w1, w3, le, rows, cols, col_ok, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT,
-        )
+        g, u = gate_up(recv, w1, w3, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
         tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
@@ -156,28 +164,18 @@ def dispatch_gemm1_kernel(
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
             tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=mask)
-        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed")
+        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
 
 
 @triton.jit
 def gate_up(
-    recv, w1, w3, le, rows, cols, col_ok,
+    recv, w1, w3, le, rows, cols,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``."""
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = recv + rows[:, None] * HIDDEN + ks[None, :]
-    w_off = le.to(tl.int64) * INTER * HIDDEN + cols[None, :] * HIDDEN + ks[:, None]
-    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        k_ok = (k0 + ks < HIDDEN) | (HIDDEN % BLOCK_K == 0)
-        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        b1 = tl.load(w1 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        b3 = tl.load(w3 + w_off + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
-        g = tl.dot(a, b1, g)
-        u = tl.dot(a, b3, u)
-    return g, u
+    """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``, in one
+    mainloop (both weights share each tile of ``x``)."""
+    return tile_gemm(
+        recv, None, rows, w1, None, w3, None, le, cols, INTER, HIDDEN,
+        BLOCK_M, BLOCK_N, BLOCK_K, True, 0, 0, UPCAST_DOT,
+    )

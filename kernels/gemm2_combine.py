@@ -20,8 +20,17 @@ result does not depend on arrival order, bit for bit. With ``SCORE_DOT`` it also
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.layout import EPOCH, GEMM2_FINISHED, NUM_BLOCKS, expert_of_row
-from titan_megamoe.kernels.sync import peer_pointer, signal, wait_all
+from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.sync import (
+    COMBINE_READY_TIMEOUT,
+    EPOCH,
+    GEMM2_FINISHED,
+    NUM_BLOCKS,
+    peer_pointer,
+    signal,
+    wait_all,
+)
 
 
 @triton.jit
@@ -43,7 +52,7 @@ def rows_gemm_combine_kernel(
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``."""
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS) * n_tiles
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
     out_dtype = combine.dtype.element_ty
     elem: tl.constexpr = out_dtype.primitive_bitwidth // 8
     # A static stride (not a shared tile counter) lets the compiler flatten the tile and
@@ -57,18 +66,10 @@ def rows_gemm_combine_kernel(
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
-        ks = tl.arange(0, BLOCK_K)
-        # Pointers built outside the K loop: offsets added inside it defeat pipelining.
-        a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
-        w_ptrs = w + le.to(tl.int64) * N * K + cols[None, :] * K + ks[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks < K) | (K % BLOCK_K == 0)
-            x1 = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            y1 = tl.load(w_ptrs + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST_DOT:
-                x1, y1 = x1.to(tl.float32), y1.to(tl.float32)
-            acc = tl.dot(x1, y1, acc)
+        acc = tile_gemm(
+            a, None, rows, w, None, None, None, le, cols, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, 0, 0, UPCAST_DOT,
+        )
 
         live = rows < end
         origin = tl.load(recv_meta + rows, mask=live, other=0)
@@ -85,7 +86,7 @@ def rows_gemm_combine_kernel(
         # A loop of its own: inside the flattened tile loop this branch breaks the
         # compiler's loop fusion.
         parts = tl.arange(0, PARTS_PAD)
-        for block in range(tl.program_id(0), tl.load(state + NUM_BLOCKS), tl.num_programs(0)):
+        for block in range(tl.program_id(0), tl.load(state + NUM_BLOCKS).to(tl.int32), tl.num_programs(0)):
             row0 = block * BLOCK_M
             le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
             rows = row0 + tl.arange(0, BLOCK_M)
@@ -113,40 +114,43 @@ def rows_gemm_combine_kernel(
 
 @triton.jit
 def combine_reduce_kernel(
-    combine, topk_w, x, out, score_dot, flags, state, num_tokens, status_addr, rank, ep,
-    max_spins,
+    combine, topk_w, x, out, score_dot, flags, flag_ptrs, state, num_tokens, rank, ep,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCALE_BY_SCORE: tl.constexpr,
     SCORE_DOT: tl.constexpr, COMBINE_READY: tl.constexpr, EP_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[t] = sum_j c_j * combine[t * k + j]`` with ``c_j = topk_w[t, j]`` when
-    ``SCALE_BY_SCORE`` else 1; ``SCORE_DOT``: ``score_dot[t, j] = <combine[t * k + j], x[t]>``."""
+    ``SCALE_BY_SCORE`` else 1; ``SCORE_DOT``: ``score_dot[t, j] = <combine[t * k + j], x[t]>``.
+    Persistent over blocks of BLOCK_T tokens: its programs spin on COMBINE_READY, so the
+    grid stays within the SMs the caller gives the operator."""
     owners = tl.arange(0, EP_PAD)
     epoch = tl.load(state + EPOCH)
-    wait_all(flags + COMBINE_READY + owners, owners, owners < ep, epoch, status_addr, rank, 3, max_spins)
+    wait_all(flags + COMBINE_READY + owners, owners, owners < ep, epoch, COMBINE_READY_TIMEOUT,
+             flags, flag_ptrs, state, rank, ep, EP_PAD)
     tl.debug_barrier()
 
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    live = tokens < num_tokens
     slots = tl.arange(0, K_PAD)
-    dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    for c0 in range(0, HIDDEN, BLOCK_H):
-        cols = c0 + tl.arange(0, BLOCK_H)
-        mask = live[:, None] & (cols[None, :] < HIDDEN)
-        at = tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
-        if SCORE_DOT:
-            xt = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for slot in tl.static_range(TOP_K):
-            row = tokens.to(tl.int64) * TOP_K + slot
-            v = tl.load(combine + row[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if SCALE_BY_SCORE:
-                acc += v * tl.load(topk_w + row, mask=live, other=0.0)[:, None]
-            else:
-                acc += v
+    for block in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_T), tl.num_programs(0)):
+        tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = tokens < num_tokens
+        dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+        for c0 in range(0, HIDDEN, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            mask = live[:, None] & (cols[None, :] < HIDDEN)
+            at = tokens.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
             if SCORE_DOT:
-                dots += tl.where(slots[None, :] == slot, tl.sum(v * xt, axis=1)[:, None], 0.0)
-        tl.store(out + at, acc.to(out.dtype.element_ty), mask=mask)
-    if SCORE_DOT:
-        at = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-        tl.store(score_dot + at, dots, mask=live[:, None] & (slots[None, :] < TOP_K))
+                xt = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            for slot in tl.static_range(TOP_K):
+                row = tokens.to(tl.int64) * TOP_K + slot
+                v = tl.load(combine + row[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if SCALE_BY_SCORE:
+                    acc += v * tl.load(topk_w + row, mask=live, other=0.0)[:, None]
+                else:
+                    acc += v
+                if SCORE_DOT:
+                    dots += tl.where(slots[None, :] == slot, tl.sum(v * xt, axis=1)[:, None], 0.0)
+            tl.store(out + at, acc.to(out.dtype.element_ty), mask=mask)
+        if SCORE_DOT:
+            at = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+            tl.store(score_dot + at, dots, mask=live[:, None] & (slots[None, :] < TOP_K))

@@ -1,0 +1,99 @@
+"""The tile-GEMM mainloop every GEMM kernel of the operator runs.
+
+``tile_gemm`` computes one ``BLOCK_M x BLOCK_N`` tile of ``A B^T`` in fp32: ``A [rows, K]``
+K-major rows, ``B [experts, N, K]`` one weight per expert, also K-major (Hopper's fp8 MMA
+takes K-major operands only, and an N-major bf16 operand runs at a fraction of the speed).
+With ``TWO_B`` a second B of the same shape shares each A tile (GEMM1's W1 and W3).
+
+Quantized operands (e4m3) bring fp32 scales: A one per row per ``SCALE_K`` elements along
+K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
+(``[experts, cdiv(N, B_SCALE_N), cdiv(K, SCALE_K)]``): 1x128 and 128x128 for blockwise fp8,
+1x32 and 1x32 for mxfp8. Hopper's MMA has no block scaling, so each scale block's partial
+product is accumulated on its own and promoted once into the fp32 accumulator,
+``acc += dot(a, b) * sa[:, None] * sb[None, :]`` (DeepSeek-V3's promotion).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_gemm(
+    a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
+    ``(A B^T, A B2^T)``.
+
+    ``rows``: BLOCK_M row indices, every one readable (rows past the caller's end are
+    computed, not masked); ``cols``: BLOCK_N indices into N, those ``>= N`` masked.
+    ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
+    ``BLOCK_K`` must divide ``SCALE_K``. ``UPCAST_DOT``: operands go to the dot in fp32 (the
+    Triton interpreter computes bf16 dots wrongly).
+    """
+    tl.static_assert((SCALE_K == 0) | (SCALE_K % BLOCK_K == 0), "BLOCK_K must divide SCALE_K")
+    # One pass of the K loop covers a scale block (unscaled: one BLOCK_K step).
+    STEP: tl.constexpr = SCALE_K if SCALE_K > 0 else BLOCK_K
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = (cols < N) | (N % BLOCK_N == 0)
+    # Pointers are built once, before the K loop, which only adds k: offsets recomputed
+    # inside the loop keep the compiler from pipelining its loads.
+    a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
+    expert_offset = expert.to(tl.int64) * N * K
+    b_tile = cols[None, :] * K + ks[:, None]
+    b_ptrs = b + expert_offset + b_tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TWO_B:
+        b2_ptrs = b2 + expert_offset + b_tile
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_K > 0:
+        K_BLOCKS: tl.constexpr = tl.cdiv(K, SCALE_K)
+        sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
+        sb_offsets = (expert.to(tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
+        sb_ptrs = b_scale + sb_offsets
+        if TWO_B:
+            sb2_ptrs = b2_scale + sb_offsets
+
+    for k0 in range(0, K, STEP):
+        # Scaled: this scale block's partial product, promoted below. Unscaled: the
+        # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.
+        if SCALE_K > 0:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if TWO_B:
+                part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            part = acc
+            if TWO_B:
+                part2 = acc2
+        for dk in tl.static_range(0, STEP, BLOCK_K):
+            k = k0 + dk
+            k_ok = (k + ks < K) | (K % STEP == 0)
+            b_mask = col_ok[None, :] & k_ok[:, None]
+            x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
+            y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
+            if TWO_B:
+                y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)
+            if UPCAST_DOT:
+                x, y = x.to(tl.float32), y.to(tl.float32)
+                if TWO_B:
+                    y2 = y2.to(tl.float32)
+            part = tl.dot(x, y, part)
+            if TWO_B:
+                part2 = tl.dot(x, y2, part2)
+        if SCALE_K > 0:
+            kb = k0 // SCALE_K
+            sa = tl.load(sa_ptrs + kb)[:, None]
+            acc += part * sa * tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+            if TWO_B:
+                acc2 += part2 * sa * tl.load(sb2_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = part
+            if TWO_B:
+                acc2 = part2
+
+    if TWO_B:
+        return acc, acc2
+    else:
+        return acc

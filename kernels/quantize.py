@@ -1,0 +1,115 @@
+"""Rows to e4m3 with one fp32 scale per row per ``SCALE_K`` columns: how kernels produce a
+quantized GEMM operand (activation rows, incoming gradients, the SwiGLU output), exactly as
+``reference.quantize_blocks(t, (1, SCALE_K), power_of_two)`` specifies it.
+
+``quantize_tile`` is the helper kernels call on a tile of fp32 values they hold;
+``quantize_rows`` runs it over a whole tensor.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_megamoe.precision import E4M3_MAX
+
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+
+ROWS_PER_PROGRAM, COLS_PER_PROGRAM = 16, 512
+"""Tile of one ``quantize_rows_kernel`` program: a multiple of every scale width (32, 128)."""
+
+
+@triton.jit
+def _exponent(v):
+    """Unbiased binary exponent of fp32 ``v >= 0`` (-127 for zero and subnormals)."""
+    return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still in fp32,
+    so that the conversion to e4m3 after it is exact (the Triton interpreter's fp32 -> fp8
+    conversion drops the carry of its rounding into the exponent)."""
+    # e4m3 spacing in binade 2^e is 2^(e - 3); below 2^-6 (subnormals) it stays 2^-9.
+    e = tl.maximum(_exponent(tl.abs(v)), -6)
+    # |v| + 1.5 * 2^(e + 20) lies in a binade whose fp32 ulp is that spacing: the addition
+    # rounds |v| to a multiple of it (ties to even), the subtraction is exact.
+    magic = (((e + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(v) + magic) - magic
+    # v's sign bit, -0.0's included (Triton's negation is 0 - x, which loses it).
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
+    """``values [BLOCK_ROWS, BLOCK_COLS]`` (fp32) -> ``(q, scales)``: ``q`` the e4m3 tile,
+    ``scales [BLOCK_ROWS, BLOCK_COLS // SCALE_K]`` fp32, ``values ~= q * scale`` per row per
+    SCALE_K columns. The scale is ``amax / 448``, or with ``POWER_OF_TWO`` the power of two
+    rounded up from it (UE8M0, RCEIL); an all-zero block gets 1. Columns past the end of
+    the rows must hold 0 (a partial last block then quantizes as the reference's padded one)."""
+    BLOCK_ROWS: tl.constexpr = values.shape[0]
+    BLOCK_COLS: tl.constexpr = values.shape[1]
+    tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
+    blocks = tl.reshape(values, (BLOCK_ROWS, BLOCK_COLS // SCALE_K, SCALE_K))
+    amax = tl.max(tl.abs(blocks), axis=2)
+    # Correctly rounded divisions, as torch's (Triton's plain fp32 `/` is approximate on GPUs).
+    ratio = tl.div_rn(amax, _E4M3_MAX)
+    if POWER_OF_TWO:
+        # ceil(log2(ratio)) from its bits, exactly: the exponent, plus one unless the
+        # mantissa is zero. Subnormal ratios (< 2^-126) round up to 2^-126 above 2^-127,
+        # else to UE8M0's smallest scale, 2^-127. Ratios stay below 2^120 (fp32 max / 448).
+        e = _exponent(ratio)
+        mantissa = ratio.to(tl.int32, bitcast=True) & 0x7FFFFF
+        e = tl.where(e > -127, e + (mantissa != 0).to(tl.int32), -127 + (mantissa > 0x400000).to(tl.int32))
+        # 2^e; 2^-127 itself is subnormal: mantissa bit 22 alone.
+        scale = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+    else:
+        scale = ratio
+    scale = tl.where(amax > 0, scale, 1.0)
+    q = _round_to_e4m3(tl.div_rn(blocks, scale[:, :, None])).to(tl.float8e4nv)
+    return tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS)), scale
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x, q, scales, num_rows,
+    COLS: tl.constexpr, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    """``x [num_rows, COLS]`` -> ``q`` (e4m3, same shape), ``scales [num_rows, cdiv(COLS, SCALE_K)]``."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    live = rows < num_rows
+    mask = live[:, None] & (cols[None, :] < COLS)
+    at = rows[:, None].to(tl.int64) * COLS + cols[None, :]
+    values = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+    tile_q, tile_scales = quantize_tile(values, SCALE_K, POWER_OF_TWO)
+    tl.store(q + at, tile_q, mask=mask)
+    K_BLOCKS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
+    kb = tl.program_id(1) * (BLOCK_COLS // SCALE_K) + tl.arange(0, BLOCK_COLS // SCALE_K)
+    tl.store(
+        scales + rows[:, None].to(tl.int64) * K_BLOCKS + kb[None, :],
+        tile_scales,
+        mask=live[:, None] & (kb[None, :] < K_BLOCKS),
+    )
+
+
+def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [rows, cols]`` (any float dtype) -> ``(q [rows, cols] float8_e4m3fn,
+    scales [rows, cdiv(cols, scale_k)] fp32)``, bit for bit
+    ``reference.quantize_blocks(t, (1, scale_k), power_of_two)``."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize_rows takes a 2-D tensor; got shape {tuple(t.shape)}")
+    if scale_k <= 0 or COLS_PER_PROGRAM % scale_k:
+        raise ValueError(f"scale_k = {scale_k} must be a power of two up to {COLS_PER_PROGRAM}")
+    t = t.contiguous()
+    rows, cols = t.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
+    scales = torch.empty(rows, triton.cdiv(cols, scale_k), dtype=torch.float32, device=t.device)
+    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(cols, COLS_PER_PROGRAM))
+    quantize_rows_kernel[grid](
+        t, q, scales, rows,
+        COLS=cols, SCALE_K=scale_k, POWER_OF_TWO=power_of_two,
+        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, num_warps=4,
+    )
+    return q, scales

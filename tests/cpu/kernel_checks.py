@@ -1,0 +1,191 @@
+"""Checks of the kernels' shared helpers, the tile-GEMM mainloop and the row quantizer,
+against the numerical spec (``titan_megamoe.reference``). The CPU tests run them under the
+Triton interpreter at tiny shapes, the GPU tests at real ones.
+
+Import this module only where Triton may define kernels (under the interpreter, only in
+a process started with ``TRITON_INTERPRET=1``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from titan_megamoe.kernels.configs import INTERPRET
+from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.quantize import quantize_rows
+from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Format
+from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
+
+
+@triton.jit
+def gemm_tile_kernel(
+    a, a_scale, b, b_scale, b2, b2_scale, out, out2, num_rows, expert,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    at = rows[:, None] * N + cols[None, :]
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < N)
+    if TWO_B:
+        acc, acc2 = tile_gemm(
+            a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, UPCAST_DOT,
+        )
+        tl.store(out2 + at, acc2, mask=mask)
+    else:
+        acc = tile_gemm(
+            a, a_scale, rows, b, b_scale, None, None, expert, cols, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, UPCAST_DOT,
+        )
+    tl.store(out + at, acc, mask=mask)
+
+
+def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``t [r, c]`` in a buffer of ``rows`` rows, the extra ones NaN (0xFF bytes, in every
+    float format): the mainloop reads whole tiles of rows."""
+    if t is None:
+        return None
+    buf = torch.full((rows, t.shape[1] * t.element_size()), 0xFF, dtype=torch.uint8, device=t.device)
+    buf = buf.view(t.dtype)
+    buf[: t.shape[0]] = t
+    return buf
+
+
+def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: Format,
+                  block_m: int, block_n: int, block_k: int, **launch):
+    """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
+    ``[E, N, K]``, scaled as ``fmt`` says; returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
+    m, k = a.shape
+    n = b.shape[1]
+    m_pad = triton.cdiv(m, block_m) * block_m
+    out = torch.full((m, n), float("nan"), device=a.device)
+    out2 = None if b2 is None else torch.full_like(out, float("nan"))
+    gemm_tile_kernel[(m_pad // block_m, triton.cdiv(n, block_n))](
+        _padded_rows(a, m_pad), _padded_rows(a_scales, m_pad), b, b_scales, b2, b2_scales, out, out2,
+        m, expert,
+        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
+        SCALE_K=fmt.activation_block[1] if fmt.quantized else 0,
+        B_SCALE_N=fmt.weight_block[0] if fmt.quantized else 0,
+        UPCAST_DOT=INTERPRET, **launch,
+    )
+    return out, out2
+
+
+def _blocky(shape, block: tuple[int, int], generator) -> torch.Tensor:
+    """Normal values times a power of two drawn per ``block`` of the last two dimensions
+    (2^-8 .. 2^8): a scale applied to the wrong block shows."""
+    rows, cols = shape[-2:]
+    exponents = torch.randint(-8, 9, shape[:-2] + (-(-rows // block[0]), -(-cols // block[1])), generator=generator)
+    factor = torch.exp2(exponents.float()).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return torch.randn(shape, generator=generator) * factor[..., :rows, :cols]
+
+
+def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, block_ks: tuple[int, ...],
+                   tolerances: dict[str, float], seed: int, **launch) -> None:
+    """Both quantized formats, and unquantized operands of each dtype named in
+    ``tolerances`` (the relative error allowed, by format or dtype name), with one and two
+    B operands, against the product of the dequantized operands in float64. B holds 3
+    experts; the last one is used."""
+    g = torch.Generator().manual_seed(seed)
+    experts = 3
+    for fmt in (FP8_BLOCK, MXFP8):
+        scale_k = fmt.activation_block[1]
+        a = _blocky((m, k), fmt.activation_block, g)
+        bs = [_blocky((experts, n, k), fmt.weight_block, g) for _ in range(2)]
+        qa, sa = quantize_blocks(a, fmt.activation_block, fmt.power_of_two)
+        quantized = [[quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in b] for b in bs]
+        qbs = [torch.stack([q for q, _ in per_expert]) for per_expert in quantized]
+        sbs = [torch.stack([s for _, s in per_expert]) for per_expert in quantized]
+        a_ref = dequantize_blocks(qa, sa, fmt.activation_block).double()
+        expected = [a_ref @ dequantize_blocks(q[-1], s[-1], fmt.weight_block).double().T for q, s in zip(qbs, sbs)]
+        on = [t.to(device) for t in (qa, sa, *qbs, *sbs)]
+        for block_k in (bk for bk in block_ks if scale_k % bk == 0):
+            for two_b in (False, True):
+                outs = run_tile_gemm(
+                    on[0], on[2], on[3] if two_b else None, on[1], on[4], on[5] if two_b else None,
+                    experts - 1, fmt, block_m, block_n, block_k, **launch,
+                )
+                for got, want in zip(outs[: 1 + two_b], expected):
+                    err = relative_error(got.cpu(), want)
+                    assert err <= tolerances[fmt.name], (fmt.name, m, n, k, block_k, two_b, err, f"seed {seed}")
+
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        if name not in tolerances:
+            continue
+        a = torch.randn(m, k, generator=g).to(dtype)
+        bs = [torch.randn(experts, n, k, generator=g).to(dtype) for _ in range(2)]
+        expected = [a.double() @ b[-1].double().T for b in bs]
+        for block_k in block_ks:
+            for two_b in (False, True):
+                outs = run_tile_gemm(
+                    a.to(device), bs[0].to(device), bs[1].to(device) if two_b else None, None, None, None,
+                    experts - 1, NATIVE, block_m, block_n, block_k, **launch,
+                )
+                for got, want in zip(outs[: 1 + two_b], expected):
+                    err = relative_error(got.cpu(), want)
+                    assert err <= tolerances[name], (name, m, n, k, block_k, two_b, err, f"seed {seed}")
+
+
+def quantize_input(rows: int, cols: int, scale_k: int, generator) -> torch.Tensor:
+    """Rows of magnitudes 2^-40 .. 2^40, and the hard cases: an all-zero row (+0.0 and
+    -0.0), an all-zero block, a row of 1e-30s, one of 1e30s, blocks whose amax / 448 is a
+    power of two, one outlier per block, amax / 448 subnormal in fp32 (above, at and below
+    2^-127, UE8M0's smallest scale), and (when ``cols`` is not a multiple of ``scale_k``) a
+    partial last block."""
+    assert rows >= 9
+    t = torch.randn(rows, cols, generator=generator)
+    t *= torch.exp2(torch.randint(-40, 41, (rows, 1), generator=generator).float())
+    t[0] = 0.0
+    t[0, ::2] = -0.0
+    t[1, :scale_k] = 0.0
+    t[2] = torch.randn(cols, generator=generator) * 1e-30
+    t[3] = torch.randn(cols, generator=generator) * 1e30
+    t[4] = torch.rand(cols, generator=generator)
+    t[4, ::scale_k] = 448.0 * 2.0**-5
+    t[5, ::scale_k] = -448.0 * 2.0**7
+    t[6, ::scale_k] *= 1e6
+    t[7] = torch.randn(cols, generator=generator) * 1e-37
+    t[8] = torch.rand(cols, generator=generator) * 1e-40
+    planted = t[8, ::scale_k]
+    t[8, ::scale_k] = 448.0 * 2.0**-127 * torch.tensor([1.5, 1.0, 0.5]).repeat(len(planted))[: len(planted)]
+    return t
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    where = (got != want).nonzero()
+    return f"{len(where)} differ, first at {where[0].tolist()}: {got[tuple(where[0])]} vs {want[tuple(where[0])]}"
+
+
+def _poison_freed_memory(device, *like: torch.Tensor) -> None:
+    """Fill memory blocks of the sizes of ``like`` with 0xFF bytes (NaN in e4m3 and fp32)
+    and free them: a GPU's caching allocator hands those blocks to the next allocations
+    of those sizes, so an output element a kernel fails to write shows."""
+    for t in like:
+        torch.full((t.numel() * t.element_size(),), 0xFF, dtype=torch.uint8, device=device)
+
+
+def check_quantize(device, rows: int, cols: int, seed: int) -> None:
+    """``quantize_rows`` against ``reference.quantize_blocks`` (computed on the CPU), bit
+    for bit: e4m3 bytes and scales, for fp8_block and mxfp8, from fp32 and bf16 rows."""
+    g = torch.Generator().manual_seed(seed)
+    for fmt in (FP8_BLOCK, MXFP8):
+        scale_k = fmt.activation_block[1]
+        for dtype in (torch.float32, torch.bfloat16):
+            t = quantize_input(rows, cols, scale_k, g).to(dtype)
+            if INTERPRET and dtype == torch.bfloat16:
+                # The interpreter widens subnormal bf16 wrongly (GPUs shift the bits).
+                t[t.abs() < torch.finfo(dtype).tiny] = 0.0
+            q_ref, scales_ref = quantize_blocks(t, fmt.activation_block, fmt.power_of_two)
+            x = t.to(device)
+            _poison_freed_memory(device, q_ref, scales_ref)
+            q, scales = quantize_rows(x, scale_k, fmt.power_of_two)
+            assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+            assert q.shape == q_ref.shape and scales.shape == scales_ref.shape
+            got, want = q.cpu().view(torch.uint8), q_ref.view(torch.uint8)
+            assert torch.equal(got, want), (fmt.name, str(dtype), "e4m3", _first_difference(got, want), f"seed {seed}")
+            got, want = scales.cpu().view(torch.int32), scales_ref.view(torch.int32)
+            assert torch.equal(got, want), (fmt.name, str(dtype), "scales", _first_difference(got, want), f"seed {seed}")
