@@ -25,10 +25,11 @@ import torch
 import triton
 
 from titan_megamoe.kernels.backward_dispatch_gemm1 import dispatch_grad_gemm1_kernel
+from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.forward import (
-    INTERPRET,
     ForwardBuffers,
     SymmetricAllocator,
+    after_launches,
     check_call,
     inputs_key,
     pad,
@@ -82,7 +83,7 @@ def fused_backward(
     score_before_experts: bool,
     comm_programs: int,
     num_programs: int,
-    max_spins: int,
+    timeout_s: float,
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
     forward's saved pre-activations (``preact_shape``), or None to recompute GEMM1."""
@@ -95,7 +96,7 @@ def fused_backward(
         )
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
     resident = buffers.resident == (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
-    order, send_start, _ = route(topk_idx, buffers, max_spins, needs_input=not resident)
+    order, send_start, _ = route(topk_idx, buffers, timeout_s, needs_input=not resident)
 
     rows = buffers.recv.shape[0]
     block_n = tiles.grad1_n if preact is None else tiles.grad1_saved_n
@@ -116,8 +117,7 @@ def fused_backward(
         buffers.flag_ptrs, buffers.recv, grad.recv_grad, grad.recv_score, buffers.recv_meta,
         buffers.flags, buffers.state, buffers.local_base, buffers.local_rows, buffers.src_offset,
         buffers.src_rows, w1, w2t, w3, dab if preact is None else preact, h_wgrad, dab,
-        score_parts, buffers.status.data_ptr(), shape.rank, shape.ep, shape.local_experts,
-        shape.rows_per_rank, max_spins,
+        score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
         COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
@@ -144,8 +144,9 @@ def fused_backward(
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    reduce(buffers, topk_w, x, dx, d_topk_w, num_tokens, top_k,
-           scale_by_score=score_before_experts, score_dot=score_before_experts, max_spins=max_spins)
+    reduce(buffers, topk_w, x, dx, d_topk_w, num_tokens, top_k, num_programs,
+           scale_by_score=score_before_experts, score_dot=score_before_experts)
     if not score_before_experts:
         d_topk_w.copy_(grad.score_grad[: num_tokens * top_k].view(num_tokens, top_k))
+    after_launches(buffers)
     return dx, d_topk_w, dw1, dw2, dw3

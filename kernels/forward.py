@@ -1,31 +1,24 @@
 """Host side of the fused forward: the buffers it needs, the routing layout (shared with
-the backward) and the four launches.
+the backward), the four launches, and the checks every call makes before launching.
 
 Nothing here synchronises with the host: counts, offsets and tile counts are computed
-and read on the device, and every grid is sized by capacity.
+and read on the device, and every grid is sized by capacity. A failure on the device
+(``sync``) is read from the status record, which lives in host memory.
 """
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import triton
 
-from titan_megamoe.kernels.configs import TILE_CONFIGS, TileConfig
+from titan_megamoe.kernels import sync
+from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
 from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
-from titan_megamoe.kernels.layout import STATE_WORDS, layout_kernel
-from titan_megamoe.kernels.sync import STATUS_WORDS, TIMEOUT_COUNTERS, FlagLayout
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def tile_config() -> TileConfig:
-    """The tile table row for where the kernels run: the GPU, or the interpreter."""
-    return TILE_CONFIGS["interpret" if INTERPRET else "sm90"]
-
+from titan_megamoe.kernels.layout import layout_kernel
+from titan_megamoe.kernels.sync import STATE_WORDS, STATUS_WORDS, FlagLayout
 
 SymmetricAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """``(shape, dtype) -> (this rank's zeroed buffer, int64 tensor of every rank's address)``."""
@@ -37,17 +30,21 @@ class ForwardShape:
 
     ep: int
     rank: int
-    capacity_tokens: int
+    capacity_tokens_per_rank: int
     """Most tokens any rank passes in one call."""
     top_k: int
     local_experts: int
     hidden: int
     inter: int
     dtype: torch.dtype
+    """The activations' dtype (the combine buffer's and, unquantized, the receive buffer's)."""
+    row_scale_k: int = 0
+    """0: rows cross the link in ``dtype``. Otherwise they cross it as e4m3 with one fp32
+    scale per ``row_scale_k`` elements, and the receive buffer carries the scales."""
 
     @property
     def rows_per_rank(self) -> int:
-        return self.capacity_tokens * self.top_k
+        return self.capacity_tokens_per_rank * self.top_k
 
     def receive_rows(self, block_m: int) -> int:
         """Rows of the receive buffer: every source's every row (any routing fits) plus
@@ -57,17 +54,19 @@ class ForwardShape:
 
 
 class ForwardBuffers:
-    """Everything one (group, shape) needs, allocated once and reused by every call.
+    """Everything one (group, shape, tiles) needs, allocated once and reused by every call.
 
     Symmetric (peers write into them): the receive buffer and the origin of each of its
     rows, the combine buffer, the flag buffer. Local: GEMM1's output ``h``, the layout
     arrays, the per-call state and the status record (in host memory on GPUs, so the host
-    can read a timeout without synchronising).
+    can read a failure without synchronising). Every call runs on the stream the buffers
+    were made on: the protocol orders one stream's calls, not two.
     """
 
-    def __init__(self, shape: ForwardShape, device: torch.device, symmetric: SymmetricAllocator):
+    def __init__(self, shape: ForwardShape, tiles: TileConfig, device: torch.device,
+                 symmetric: SymmetricAllocator):
         self.shape = shape
-        self.tiles = tile_config()
+        self.tiles = tiles
         bm = self.tiles.block_m
         rows = shape.receive_rows(bm)
         self.flag_layout = FlagLayout(
@@ -75,26 +74,30 @@ class ForwardBuffers:
             local_experts=shape.local_experts,
             max_chunks=math.ceil(shape.rows_per_rank / bm),
         )
-        self.recv, self.recv_ptrs = symmetric((rows, shape.hidden), shape.dtype)
+        self.recv, self.recv_scales, self.recv_ptrs = _row_buffer(symmetric, rows, shape)
         self.recv_meta, self.recv_meta_ptrs = symmetric((rows,), torch.int32)
         self.combine, self.combine_ptrs = symmetric((shape.rows_per_rank, shape.hidden), shape.dtype)
-        self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int32)
+        self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int64)
 
         def ints(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         num_experts = shape.ep * shape.local_experts
         self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=device)
-        self.state = ints(STATE_WORDS)
+        pinned = device.type == "cuda"
+        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+        self.state[sync.STATUS_ADDR.value] = self.status.data_ptr()
         self.dest_start = ints(num_experts)
         self.item_start = ints(num_experts)
         self.local_base = ints(shape.local_experts)
         self.local_rows = ints(shape.local_experts)
         self.src_offset = ints(shape.ep * shape.local_experts)
         self.src_rows = ints(shape.ep * shape.local_experts)
-        self.expert_edges = torch.arange(num_experts + 1, dtype=torch.int32, device=device)
-        pinned = device.type == "cuda"
-        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=pinned)
+        self.expert_edges = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.timeout_s = 0.0
+        """The deadline of the last call (for the failure message)."""
         self.calls = 0
         """Calls (forward or backward) made on these buffers, counted on the host."""
         self.resident = None
@@ -102,37 +105,93 @@ class ForwardBuffers:
 
     @property
     def symmetric_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.recv, self.recv_meta, self.combine, self.flags))
+        held = (self.recv, self.recv_scales, self.recv_meta, self.combine, self.flags)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     @property
     def local_bytes(self) -> int:
         return self.h.numel() * self.h.element_size()
 
-    def raise_if_timed_out(self) -> None:
-        """Raise if a wait of an earlier call timed out (reads host memory only)."""
-        code, rank, index, seen, expected = self.status[:5].tolist()
-        if code:
-            raise RuntimeError(
-                f"mega_moe fused kernels: rank {rank} timed out waiting for "
-                f"{TIMEOUT_COUNTERS.get(code, code)}[{index}] (value {seen}, expected {expected}); "
-                "a peer stopped or fell far behind. The operator's results since then are invalid."
-            )
+    def failure(self) -> str | None:
+        """What made a call on these buffers fail on the device, or None (reads host memory
+        only)."""
+        return describe_failure(self.status.tolist(), self.timeout_s)
+
+    def raise_if_failed(self) -> None:
+        """Raise if a call on these buffers failed on the device."""
+        message = self.failure()
+        if message is not None:
+            raise RuntimeError(message)
+
+
+def _row_buffer(symmetric: SymmetricAllocator, rows: int, shape: ForwardShape):
+    """``(rows [rows, H], scales [rows, H / row_scale_k] or None, peer addresses)``: with
+    quantized rows, one symmetric allocation holds the e4m3 rows and, behind them, their
+    fp32 scales, so a row and its scales travel to the same peer buffer."""
+    if not shape.row_scale_k:
+        data, ptrs = symmetric((rows, shape.hidden), shape.dtype)
+        return data, None, ptrs
+    scale_cols = math.ceil(shape.hidden / shape.row_scale_k)
+    data_bytes = math.ceil(rows * shape.hidden / 16) * 16  # the scales start 16-byte aligned
+    raw, ptrs = symmetric((data_bytes + rows * scale_cols * 4,), torch.uint8)
+    data = raw[: rows * shape.hidden].view(torch.float8_e4m3fn).view(rows, shape.hidden)
+    scales = raw[data_bytes:].view(torch.float32).view(rows, scale_cols)
+    return data, scales, ptrs
 
 
 def pad(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
+def describe_failure(status: list[int], timeout_s: float) -> str | None:
+    """The message of a status record (``sync``), or None when it records no failure."""
+    code, rank, index, seen, expected, _claim, call = status[:7]
+    if not code:
+        return None
+    if code == sync.BAD_EXPERT_ID.value:
+        what = (f"rank {rank}: topk_idx holds expert id {seen}, outside [0, {expected}) "
+                f"(sorted row {index}) in call {call}")
+    elif code == sync.PEER_FAILED.value:
+        what = (f"rank {rank} stopped in call {call} because rank {index} failed "
+                f"({sync.FAILURES.get(seen, seen)})")
+    else:
+        what = (f"rank {rank} timed out after {timeout_s:g} s waiting for "
+                f"{sync.FAILURES.get(code, code)}[{index}] (value {seen}, expected {expected}) "
+                f"in call {call}: a peer stopped or fell that far behind")
+    return (f"mega_moe fused kernels: {what}. Every rank of the EP group stopped in that call "
+            "and no result of it was returned; the process must restart (on GPUs the kernels "
+            "ended its CUDA context)")
+
+
 def check_call(num_tokens: int, buffers: ForwardBuffers, comm_programs: int, num_programs: int, what: str) -> None:
     """Raise before any launch if this call cannot run on ``buffers``."""
-    if num_tokens > buffers.shape.capacity_tokens:
+    buffers.raise_if_failed()
+    if num_tokens > buffers.shape.capacity_tokens_per_rank:
         raise ValueError(
-            f"mega_moe fused {what}: {num_tokens} tokens exceed the capacity of "
-            f"{buffers.shape.capacity_tokens} tokens per rank its buffers were sized for"
+            f"mega_moe fused {what}: {num_tokens} tokens exceed capacity_tokens_per_rank = "
+            f"{buffers.shape.capacity_tokens_per_rank}, which its buffers were sized for"
         )
     if not 0 < comm_programs < num_programs:
-        raise ValueError(f"comm_programs = {comm_programs} must be in [1, {num_programs - 1}]")
-    buffers.raise_if_timed_out()
+        raise ValueError(f"comm_sms = {comm_programs} must be in [1, {num_programs - 1}]")
+    if buffers.stream is not None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"mega_moe fused {what}: cannot be captured in a CUDA graph: each call advances "
+                "epochs counted on the host and on the device, which a replay would not"
+            )
+        stream = torch.cuda.current_stream(buffers.stream.device)
+        if stream != buffers.stream:
+            raise RuntimeError(
+                f"mega_moe fused {what}: called on {stream}, but its buffers belong to "
+                f"{buffers.stream}: the protocol orders the calls of one stream only"
+            )
+
+
+def after_launches(buffers: ForwardBuffers) -> None:
+    """Under the interpreter, launches are synchronous: raise now if one failed (on GPUs
+    the kernels stop the process instead, see ``sync``)."""
+    if INTERPRET:
+        buffers.raise_if_failed()
 
 
 def inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts: bool) -> tuple:
@@ -143,7 +202,7 @@ def inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts: bool) -> tuple
     )
 
 
-def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, max_spins: int, needs_input: bool = True):
+def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, timeout_s: float, needs_input: bool = True):
     """Sort this rank's rows by expert and run the layout kernel (a new epoch; its count
     exchange is also the call's start barrier, see ``sync``). ``needs_input``: whether
     the peers must send this rank its expert inputs (published as NEEDS_INPUT).
@@ -151,16 +210,18 @@ def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, max_spins: int, needs
     Returns the rows' send order (flat slot ids), each expert's first position in it, and
     the rows received per local expert (int64)."""
     shape, flags = buffers.shape, buffers.flag_layout
-    flat = topk_idx.reshape(-1).to(torch.int32)
+    # int64 ids stay int64: narrowing first could wrap a bad id into the valid range.
+    flat = topk_idx.reshape(-1).long()
     sorted_experts, order = torch.sort(flat, stable=True)
     send_start = torch.searchsorted(sorted_experts, buffers.expert_edges, out_int32=True)
     tokens_per_expert = torch.empty(shape.local_experts, dtype=torch.int64, device=topk_idx.device)
     buffers.calls += 1
+    buffers.timeout_s = timeout_s
     layout_kernel[(1,)](
-        send_start, buffers.flags, buffers.flag_ptrs, buffers.state, buffers.dest_start,
-        buffers.item_start, buffers.local_base, buffers.local_rows, buffers.src_offset,
-        buffers.src_rows, tokens_per_expert, buffers.status.data_ptr(), shape.rank, shape.ep,
-        shape.local_experts, int(needs_input), max_spins,
+        sorted_experts, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
+        buffers.dest_start, buffers.item_start, buffers.local_base, buffers.local_rows,
+        buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
+        shape.local_experts, int(needs_input), int(timeout_s * 1e9),
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
         EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
         num_warps=4,
@@ -184,7 +245,7 @@ def fused_forward(
     score_before_experts: bool,
     comm_programs: int,
     num_programs: int,
-    max_spins: int,
+    timeout_s: float,
     preact: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``y [T, H]`` and the rows received per local expert (int64), see ``reference``.
@@ -197,8 +258,7 @@ def fused_forward(
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "forward")
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
-    status_addr = buffers.status.data_ptr()
-    order, send_start, tokens_per_expert = route(topk_idx, buffers, max_spins)
+    order, send_start, tokens_per_expert = route(topk_idx, buffers, timeout_s)
     buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
 
     dispatch_gemm1_kernel[(num_programs,)](
@@ -206,7 +266,7 @@ def fused_forward(
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv,
         buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.src_offset,
         buffers.src_rows, w1, w3, buffers.h, buffers.h if preact is None else preact,
-        status_addr, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank, max_spins,
+        shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_PREACT=preact is not None,
         COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
@@ -226,19 +286,21 @@ def fused_forward(
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )
     y = torch.empty_like(x)
-    reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, scale_by_score=not score_before_experts,
-           score_dot=False, max_spins=max_spins)
+    reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
+           scale_by_score=not score_before_experts, score_dot=False)
+    after_launches(buffers)
     return y, tokens_per_expert
 
 
 def reduce(buffers: ForwardBuffers, topk_w, x, out, dot_out, num_tokens: int, top_k: int,
-           scale_by_score: bool, score_dot: bool, max_spins: int) -> None:
+           num_programs: int, scale_by_score: bool, score_dot: bool) -> None:
     """Sum each token's k combined rows into ``out``; ``score_dot``: also ``<row, x>`` per
     slot into ``dot_out [T, k]`` (see ``combine_reduce_kernel``)."""
     shape, tiles = buffers.shape, buffers.tiles
-    combine_reduce_kernel[(max(1, triton.cdiv(num_tokens, tiles.reduce_tokens)),)](
-        buffers.combine, topk_w, x, out, dot_out, buffers.flags, buffers.state, num_tokens,
-        buffers.status.data_ptr(), shape.rank, shape.ep, max_spins,
+    blocks = max(1, triton.cdiv(num_tokens, tiles.reduce_tokens))
+    combine_reduce_kernel[(min(blocks, num_programs),)](
+        buffers.combine, topk_w, x, out, dot_out, buffers.flags, buffers.flag_ptrs, buffers.state,
+        num_tokens, shape.rank, shape.ep,
         HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=pad(top_k), SCALE_BY_SCORE=scale_by_score,
         SCORE_DOT=score_dot, COMBINE_READY=buffers.flag_layout.combine_ready,
         EP_PAD=pad(shape.ep), BLOCK_T=tiles.reduce_tokens, BLOCK_H=tiles.reduce_cols, num_warps=4,

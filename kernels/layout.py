@@ -1,8 +1,11 @@
 """Routing layout: where every routed row goes, computed on the device, no host sync.
 
-Input: this rank's rows sorted by global expert (``send_start[e]`` .. ``send_start[e+1]``
-are its rows for expert ``e``), and whether this rank needs its expert inputs sent. The
-kernel exchanges both with every peer (see ``sync``), so each rank holds the full matrix
+Input: this rank's expert ids sorted (``sorted_experts``, ``num_rows`` of them) and
+``send_start[e]`` .. ``send_start[e+1]``, its rows for expert ``e`` (``searchsorted`` of
+the sorted ids), and whether this rank needs its expert inputs sent. An id outside
+``[0, E)`` leaves rows outside ``send_start[0] .. send_start[E]``: the kernel then fails
+the call on every rank (``sync``) before publishing anything. Otherwise it exchanges the
+counts with every peer (see ``sync``), so each rank holds the full matrix
 ``COUNTS[source, expert]`` and derives the same receive layout for every owner:
 
 - the owner's receive buffer is expert-major; each local expert's rows start on a
@@ -18,25 +21,32 @@ Outputs (int32 unless noted):
     local_rows[le]    rows I receive for le; also written as int64 to tokens_per_expert
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
-    state[NUM_BLOCKS], state[NUM_ITEMS]; resets the tile counters of this call
+    state[NUM_BLOCKS], state[NUM_ITEMS], state[TIMEOUT_NS]; resets the tile counters of
+    this call
 """
 
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.sync import peer_pointer, wait_all
-
-# Words of the per-rank ``state`` array (int32, local memory).
-EPOCH = tl.constexpr(0)
-NUM_BLOCKS = tl.constexpr(1)
-NUM_ITEMS = tl.constexpr(2)
-GEMM1_NEXT_TILE = tl.constexpr(3)
-GEMM2_FINISHED = tl.constexpr(4)
-STATE_WORDS = 8
+from titan_megamoe.kernels.sync import (
+    BAD_EXPERT_ID,
+    COUNT_READY_TIMEOUT,
+    EPOCH,
+    GEMM1_NEXT_TILE,
+    GEMM2_FINISHED,
+    NUM_BLOCKS,
+    NUM_ITEMS,
+    TIMEOUT_NS,
+    fail,
+    peer_pointer,
+    wait_all,
+)
 
 
 @triton.jit
 def layout_kernel(
+    sorted_experts,
+    num_rows,
     send_start,
     flags,
     flag_ptrs,
@@ -48,12 +58,11 @@ def layout_kernel(
     src_offset,
     src_rows,
     tokens_per_expert,
-    status_addr,
     rank,
     ep,
     local_experts,
     needs_input,
-    max_spins,
+    timeout_ns,
     COUNTS: tl.constexpr,
     COUNT_READY: tl.constexpr,
     NEEDS_INPUT: tl.constexpr,
@@ -63,9 +72,18 @@ def layout_kernel(
 ):
     epoch = tl.load(state + EPOCH) + 1
     tl.store(state + EPOCH, epoch)
+    tl.store(state + TIMEOUT_NS, timeout_ns)
     tl.store(state + GEMM1_NEXT_TILE, 0)
     tl.store(state + GEMM2_FINISHED, 0)
     num_experts = ep * local_experts
+
+    below = tl.load(send_start)  # ids < 0
+    in_range = tl.load(send_start + num_experts)  # ids < E
+    if (below != 0) | (in_range != num_rows):
+        # Report the first bad row in sorted order: a negative id, else the largest id.
+        at = tl.where(below != 0, 0, num_rows - 1)
+        fail(BAD_EXPERT_ID, at, tl.load(sorted_experts + at).to(tl.int64), num_experts,
+             flags, flag_ptrs, state, rank, ep)
 
     # My counts, [owner r, local expert le] with global expert e = r * E_local + le.
     r = tl.arange(0, EP_PAD)[:, None]
@@ -83,7 +101,8 @@ def layout_kernel(
         peer_flags = peer_pointer(flags, flag_ptrs, peer, rank)
         tl.atomic_xchg(peer_flags + COUNT_READY + rank, epoch, sem="release", scope="sys")
     sources = tl.arange(0, EP_PAD)
-    wait_all(flags + COUNT_READY + sources, sources, sources < ep, epoch, status_addr, rank, 1, max_spins)
+    wait_all(flags + COUNT_READY + sources, sources, sources < ep, epoch, COUNT_READY_TIMEOUT,
+             flags, flag_ptrs, state, rank, ep, EP_PAD)
     tl.debug_barrier()
 
     # counts[s, r, le]: rows source s routes to owner r's local expert le.

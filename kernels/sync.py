@@ -1,15 +1,17 @@
-"""Cross-GPU synchronisation of the fused kernels: the protocol, the flag buffer, waits.
+"""Cross-GPU synchronisation of the fused kernels: the protocol, the flag buffer, waits,
+and how a failure stops every rank.
 
-Every rank owns one int32 *flag buffer* in symmetric memory (peers write into it over
+Every rank owns one int64 *flag buffer* in symmetric memory (peers write into it over
 NVLink). All flags hold *epochs*: a rank's epoch counts the operator calls it has made,
-lives on the device (``state[EPOCH]``) and is bumped by the layout kernel at the start of
-each call. A flag equal to the current epoch means "done in this call"; stale values from
-earlier calls never match, so flags are never reset.
+lives on the device (``state[EPOCH]``, int64) and is bumped by the layout kernel at the
+start of each call. A flag equal to the current epoch means "done in this call"; stale
+values from earlier calls never match, so flags are never reset.
 
 A *call* is one forward or one backward of the operator; both start with the layout
 kernel. One call, on every rank (all launches on one stream, in this order)::
 
-    layout     write my per-expert counts into every peer's COUNTS[me], and
+    layout     check my expert ids (a bad id fails the call, below)
+               write my per-expert counts into every peer's COUNTS[me], and
                whether I need the expert inputs sent again: NEEDS_INPUT[me]   (plain stores)
                set every peer's COUNT_READY[me] = epoch                       (release, sys)
                wait COUNT_READY[s] == epoch for every source s               (acquire, sys)
@@ -35,11 +37,25 @@ layout's wait in call n+1 only after every peer has started call n+1, i.e. after
 peer's stream has finished call n (including its reads of the buffers I am about to
 write). Writers of call n+1 are therefore always behind the readers of call n.
 
-Every wait spins a bounded number of times. On timeout it records (code, rank, counter
-index, value seen, value expected) in a small *status* word array in host memory and
-gives up; every later wait sees the record and returns at once, so a dead peer or a bug
-costs one timeout, never a hang. The host raises from the record on its next call
-(``TIMEOUT_COUNTERS`` names the codes).
+**Failure.** Every wait has a wall-clock deadline (``state[TIMEOUT_NS]``, the settings'
+``timeout_s``; read from the GPU's global timer). A rank *fails* when a wait passes its
+deadline, when its expert ids are out of range, or when a peer has failed. Failing:
+
+1. records ``(code, rank, index, value seen, value expected, epoch)`` once in its *status*
+   record (host memory, so the host reads it without synchronising);
+2. sets ``ABORT[me] = code`` in every rank's flag buffer (its own too);
+3. stops: on GPUs the kernel executes ``trap``, which ends every later kernel of the
+   process (the CUDA context is lost), so no result of this call or any later one is ever
+   produced; under the Triton interpreter (launches are synchronous) the kernels return
+   and the host raises right after the launch.
+
+Every wait also reads the ABORT words, on its fast path too: a rank that starts a call
+after a peer failed fails at its first wait, and a rank waiting on a failed peer fails
+as soon as the peer's ABORT lands instead of at its own deadline. Every rank therefore
+stops before it returns a result of the failed call, except in the window where a late
+signal and a deadline cross (a peer's last signal landing microseconds after the waiter
+gave up): the waiter fails, and the late rank fails at its next call. The host raises
+from the status record at the start of every later call (the process must restart).
 """
 
 from dataclasses import dataclass
@@ -47,16 +63,59 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-TIMEOUT_COUNTERS = {1: "COUNT_READY", 2: "CHUNK_READY", 3: "COMBINE_READY"}
-"""Status codes written on timeout, by the flag array that was waited on."""
+from titan_megamoe.kernels.configs import INTERPRET
 
+# Words of the per-rank ``state`` array (int64, local memory).
+EPOCH = tl.constexpr(0)
+NUM_BLOCKS = tl.constexpr(1)
+NUM_ITEMS = tl.constexpr(2)
+GEMM1_NEXT_TILE = tl.constexpr(3)
+GEMM2_FINISHED = tl.constexpr(4)
+TIMEOUT_NS = tl.constexpr(5)
+STATUS_ADDR = tl.constexpr(6)
+STATE_WORDS = 8
+
+ABORT = tl.constexpr(0)
+"""ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without
+an offset argument."""
+
+# Status codes (status record word CODE), by what failed.
+COUNT_READY_TIMEOUT = tl.constexpr(1)
+CHUNK_READY_TIMEOUT = tl.constexpr(2)
+COMBINE_READY_TIMEOUT = tl.constexpr(3)
+PEER_FAILED = tl.constexpr(4)
+BAD_EXPERT_ID = tl.constexpr(5)
+FAILURES = {
+    COUNT_READY_TIMEOUT.value: "COUNT_READY",
+    CHUNK_READY_TIMEOUT.value: "CHUNK_READY",
+    COMBINE_READY_TIMEOUT.value: "COMBINE_READY",
+    PEER_FAILED.value: "a peer's failure",
+    BAD_EXPERT_ID.value: "an expert id out of range",
+}
+"""Status code -> what failed (a waited flag array, a peer, or the input)."""
+
+# Status record words (int64, host memory): [code, rank, index, seen, expected, claim, call, -].
+CODE = tl.constexpr(0)
+RANK = tl.constexpr(1)
+INDEX = tl.constexpr(2)
+SEEN = tl.constexpr(3)
+EXPECTED = tl.constexpr(4)
+CLAIM = tl.constexpr(5)
+CALL = tl.constexpr(6)
 STATUS_WORDS = 8
-"""Status record: [code, rank, counter index, value seen, value expected, claim, -, -]."""
+
+_USE_CLOCK = tl.constexpr(not INTERPRET)
+_TRAP = tl.constexpr(not INTERPRET)
+POLL_NS_INTERPRETED = 1_000_000
+"""The interpreter has no clock: each poll there counts as this many nanoseconds."""
+_POLL_NS = tl.constexpr(POLL_NS_INTERPRETED)
+_POLLS_PER_CHECK = tl.constexpr(64)
+"""Flag polls between reads of the clock and the ABORT words while waiting."""
 
 
 @dataclass(frozen=True)
 class FlagLayout:
-    """Offsets (in int32 words) of the arrays inside one rank's flag buffer."""
+    """Offsets (in int64 words) of the arrays inside one rank's flag buffer."""
 
     ep: int
     local_experts: int
@@ -64,14 +123,19 @@ class FlagLayout:
     """Chunks one source can send one expert: ceil(max rows per expert per source / BLOCK_M)."""
 
     @property
+    def abort(self) -> int:
+        """ABORT[rank]: that rank failed (its status code); 0 while it has not."""
+        return ABORT.value
+
+    @property
     def counts(self) -> int:
         """COUNTS[source, global expert]: rows that source routes to each expert."""
-        return 0
+        return self.ep
 
     @property
     def count_ready(self) -> int:
         """COUNT_READY[source]."""
-        return self.ep * self.ep * self.local_experts
+        return self.counts + self.ep * self.ep * self.local_experts
 
     @property
     def combine_ready(self) -> int:
@@ -94,42 +158,14 @@ class FlagLayout:
 
 
 @triton.jit
-def wait_all(flags, ids, mask, target, status_addr, rank, code, max_spins):
-    """Spin until ``flags[i] == target`` wherever ``mask`` (a vector of flag pointers),
-    then acquire them at system scope. Polling uses plain volatile loads: read-modify-write
-    polling from every program would contend with the writers' releases on those lines.
-    ``ids`` name the flags in a timeout record."""
-    status = status_addr.to(tl.pointer_type(tl.int32))
-    seen = tl.load(flags, mask=mask, other=0, volatile=True)
-    pending = tl.sum((mask & (seen != target)).to(tl.int32))
-    # The status lives in host memory: read it only while actually waiting.
-    aborted = 0
-    spins = 0
-    while (pending > 0) & (aborted == 0) & (spins < max_spins):
-        seen = tl.load(flags, mask=mask, other=0, volatile=True)
-        pending = tl.sum((mask & (seen != target)).to(tl.int32))
-        spins += 1
-        if spins % 1024 == 0:
-            aborted = tl.load(status + 5, volatile=True)
-    if pending == 0:
-        tl.atomic_add(flags, 0, mask=mask, sem="acquire", scope="sys")
-    elif aborted == 0:
-        late = mask & (seen != target)
-        first = tl.min(tl.where(late, ids, 2147483647))
-        value = tl.max(tl.where(late & (ids == first), seen, -2147483647))
-        if tl.atomic_cas(status + 5, 0, 1, sem="relaxed", scope="sys") == 0:
-            tl.store(status + 1, rank)
-            tl.store(status + 2, first)
-            tl.store(status + 3, value)
-            tl.store(status + 4, target)
-            tl.atomic_xchg(status, code, sem="release", scope="sys")
-
-
-@triton.jit
-def signal(flag, value):
-    """Publish every store this program made before the call, then set ``flag``."""
-    tl.debug_barrier()
-    tl.atomic_xchg(flag, value, sem="release", scope="sys")
+def _now(polls):
+    """Nanoseconds on the GPU's global timer (the interpreter: polls so far, scaled)."""
+    if _USE_CLOCK:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        return polls.to(tl.int64) * _POLL_NS
 
 
 @triton.jit
@@ -142,3 +178,70 @@ def peer_pointer(local, ptrs, peer, rank):
     elem: tl.constexpr = local.dtype.element_ty.primitive_bitwidth // 8
     offset = (tl.load(ptrs + peer) - tl.load(ptrs + rank)) // elem
     return local + tl.multiple_of(offset, 16 // elem)
+
+
+@triton.jit
+def fail(code, index, seen, expected, flags, flag_ptrs, state, rank, ep):
+    """Record why this rank fails (first failure only), tell every rank through its
+    ABORT word, and stop (see the module docstring)."""
+    status = tl.load(state + STATUS_ADDR).to(tl.pointer_type(tl.int64))
+    zero = tl.full([], 0, tl.int64)  # compare-and-swap wants the words' own type
+    word = zero + code
+    if tl.atomic_cas(status + CLAIM, zero, zero + 1, sem="relaxed", scope="sys") == 0:
+        tl.store(status + RANK, rank)
+        tl.store(status + INDEX, index)
+        tl.store(status + SEEN, seen)
+        tl.store(status + EXPECTED, expected)
+        tl.store(status + CALL, tl.load(state + EPOCH))
+        tl.atomic_xchg(status + CODE, word, sem="release", scope="sys")
+    for peer in range(ep):
+        # The first failure's code stays: later ones only follow from it.
+        tl.atomic_cas(peer_pointer(flags, flag_ptrs, peer, rank) + ABORT + rank, zero, word, sem="release", scope="sys")
+    if _TRAP:
+        # The record and the ABORT words must land before the kernel dies: a trap drops
+        # writes still in flight (seen: an empty status record after a trap).
+        tl.inline_asm_elementwise("fence.sc.sys;\n\ttrap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_all(waited, ids, mask, target, code, flags, flag_ptrs, state, rank, ep, EP_PAD: tl.constexpr):
+    """Spin until ``waited[i] == target`` wherever ``mask`` (a vector of flag pointers),
+    then acquire them at system scope; ``ids`` name the flags in a failure record.
+    Fails with ``code`` past the deadline, or as soon as a peer's ABORT word is set.
+
+    Polling uses plain volatile loads: read-modify-write polling from every program would
+    contend with the writers' releases on those lines."""
+    peers = tl.arange(0, EP_PAD)
+    seen = tl.load(waited, mask=mask, other=0, volatile=True)
+    pending = tl.sum((mask & (seen != target)).to(tl.int32))
+    aborts = tl.load(flags + ABORT + peers, mask=peers < ep, other=0, volatile=True)
+    if (pending > 0) & (tl.max(aborts) == 0):
+        timeout = tl.load(state + TIMEOUT_NS)
+        polls = 0
+        start = _now(polls)
+        elapsed = start - start
+        while (pending > 0) & (tl.max(aborts) == 0) & (elapsed < timeout):
+            seen = tl.load(waited, mask=mask, other=0, volatile=True)
+            pending = tl.sum((mask & (seen != target)).to(tl.int32))
+            polls += 1
+            if polls % _POLLS_PER_CHECK == 0:
+                aborts = tl.load(flags + ABORT + peers, mask=peers < ep, other=0, volatile=True)
+                elapsed = _now(polls) - start
+    if tl.max(aborts) != 0:
+        culprit = tl.min(tl.where(aborts != 0, peers, EP_PAD))
+        culprit_code = tl.max(tl.where(peers == culprit, aborts, 0))
+        fail(PEER_FAILED, culprit, culprit_code, 0, flags, flag_ptrs, state, rank, ep)
+    elif pending > 0:
+        late = mask & (seen != target)
+        first = tl.min(tl.where(late, ids, 2147483647))
+        value = tl.max(tl.where(late & (ids == first), seen, -(2**62)))
+        fail(code, first, value, target, flags, flag_ptrs, state, rank, ep)
+    else:
+        tl.atomic_add(waited, 0, mask=mask, sem="acquire", scope="sys")
+
+
+@triton.jit
+def signal(flag, value):
+    """Publish every store this program made before the call, then set ``flag``."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag, value, sem="release", scope="sys")

@@ -5,6 +5,14 @@ multicast off: the operator only needs peer loads and stores) and exchanged once
 ``rendezvous``; the kernels then receive an int64 tensor of every rank's address. A
 single-rank group (or a CPU run under the Triton interpreter) gets plain local memory
 behind the same interface.
+
+:class:`VirtualGroup` runs ``ep`` ranks of one group inside one process on one GPU (torch's
+symmetric memory refuses two processes on one GPU): each virtual rank's buffers are its
+own allocations, its peers' addresses are those of the other ranks' allocations, each rank
+launches on its own stream, and each gets ``1 / ep`` of the GPU's SMs, so that every rank's
+spinning programs are resident at once. It exists to exercise the layouts and the flag
+protocol at EP = 4 and 8 where fewer GPUs are at hand (and, on the CPU under the Triton
+interpreter, a rank that never arrives).
 """
 
 import os
@@ -14,6 +22,61 @@ import torch
 import torch.distributed as dist
 
 from titan_megamoe.kernels.forward import SymmetricAllocator
+
+
+class VirtualGroup:
+    """``ep`` ranks of one EP group inside this process, on ``device``."""
+
+    def __init__(self, ep: int, device: torch.device, name: str = "virtual"):
+        self.ep, self.device, self.name = ep, device, name
+        self._sets: list[list[torch.Tensor]] = []
+        """Every allocation made so far: one copy per rank, in allocation order."""
+        self._next = [0] * ep
+        self.ranks = [VirtualRank(self, r) for r in range(ep)]
+
+    def _allocate(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype):
+        index = self._next[rank]
+        self._next[rank] += 1
+        if index == len(self._sets):
+            # Every copy at once, zeroed before any rank's stream may write into a peer's.
+            self._sets.append([torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.ep)])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        copies = self._sets[index]
+        if copies[rank].shape != torch.Size(shape) or copies[rank].dtype != dtype:
+            raise ValueError(
+                f"virtual rank {rank} asked for allocation {index} as {tuple(shape)} {dtype}; "
+                f"rank 0 made it {tuple(copies[rank].shape)} {copies[rank].dtype}: the ranks disagree"
+            )
+        ptrs = torch.tensor([c.data_ptr() for c in copies], dtype=torch.int64, device=self.device)
+        return copies[rank], ptrs
+
+
+class VirtualRank:
+    """One rank of a :class:`VirtualGroup`: what the fused backend takes as ``group``."""
+
+    def __init__(self, group: VirtualGroup, rank: int):
+        self._group, self._rank = group, rank
+        self.group_name = f"{group.name}:{group.ep}"
+        self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+        """The stream this rank's calls must be made on (GPUs)."""
+
+    def size(self) -> int:
+        return self._group.ep
+
+    def rank(self) -> int:
+        return self._rank
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype):
+        return self._group._allocate(self._rank, shape, dtype)
+
+
+Group = dist.ProcessGroup | VirtualRank | None
+
+
+def ranks_per_device(group: Group) -> int:
+    """How many ranks of ``group`` share this GPU (its SMs are split between them)."""
+    return group.size() if isinstance(group, VirtualRank) else 1
 
 
 def _local(device: torch.device) -> SymmetricAllocator:
@@ -43,23 +106,36 @@ def _nvlink(group: dist.ProcessGroup, device: torch.device) -> SymmetricAllocato
     return allocate
 
 
-def _check_one_node(group: dist.ProcessGroup) -> None:
-    hosts = [None] * group.size()
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
+def _check_agreement(group: dist.ProcessGroup, sized_for: str) -> None:
+    """Every rank of ``group`` is on one host and sizes its buffers alike (collective)."""
+    gathered = [None] * group.size()
+    dist.all_gather_object(gathered, (socket.gethostname(), sized_for), group=group)
+    hosts = sorted({host for host, _ in gathered})
+    if len(hosts) > 1:
         raise RuntimeError(
-            f"mega_moe fused backend: the EP group spans hosts {sorted(set(hosts))}; its "
-            "buffers need NVLink peers on one node. Use an EP degree within a node or "
-            "backend = 'reference'"
+            f"mega_moe fused backend: the EP group spans hosts {hosts}; its buffers need "
+            "NVLink peers on one node. Use an EP degree within a node or backend = 'stock'"
+        )
+    sizes = {what for _, what in gathered}
+    if len(sizes) > 1:
+        by_rank = "\n  ".join(f"rank {r}: {what}" for r, (_, what) in enumerate(gathered))
+        raise ValueError(
+            "mega_moe fused backend: the ranks of the EP group would size their symmetric "
+            f"buffers differently (every rank must pass the same capacity_tokens_per_rank, "
+            f"expert count and shapes):\n  {by_rank}"
         )
 
 
-def allocator(group: dist.ProcessGroup | None, device: torch.device) -> SymmetricAllocator:
-    """The allocator for buffers shared by ``group`` (None: this rank alone). Called once
-    per buffer set; checks (collectively) that the group is on one node."""
+def allocator(group: Group, device: torch.device, sized_for: str) -> SymmetricAllocator:
+    """The allocator for one buffer set shared by ``group`` (None: this rank alone).
+    ``sized_for`` describes what the set is sized for; for a real group of several ranks
+    this checks, collectively and once per set, that every rank is on one host and
+    describes the same thing."""
+    if isinstance(group, VirtualRank):
+        return group.allocate
     if group is None or group.size() == 1:
         return _local(device)
-    _check_one_node(group)
+    _check_agreement(group, sized_for)
     if device.type != "cuda":
         raise ValueError(f"symmetric buffers over {group.size()} ranks need CUDA devices; got {device}")
     return _nvlink(group, device)

@@ -1,8 +1,9 @@
 """The fused forward's and backward's Triton kernels at tiny shapes under the Triton
 interpreter (one rank, CPU): output and every gradient against the reference backend,
 both score modes, GEMM1 recomputed and saved, poisoned buffers, uneven and skewed
-routing, determinism, the capacity check and a timed-out wait; and the symmetric
-buffers' one-node check (gloo ranks).
+routing, determinism, the capacity check; failures that stop every rank (a peer that
+never arrives, bad expert ids); and the symmetric buffers' one-host and same-size checks
+(gloo ranks).
 
 The interpreter must be switched on before Triton kernels are defined, so each check
 runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
@@ -33,10 +34,22 @@ def _problem(num_tokens: int, routing: str, seed: int, dtype=torch.float32):
 
 
 GRADIENTS = ("dx", "d_topk_w", "dw1", "dw2", "dw3")
+CAPACITY = 40
+
+
+def _settings(save_gemm1=False, **changes):
+    from titan_megamoe.settings import OperatorSettings
+
+    settings = OperatorSettings(precision="bf16", backend="fused", capacity_tokens_per_rank=CAPACITY,
+                                save_gemm1=save_gemm1)
+    return settings.replace(**changes)
 
 
 def _check_against_reference(rank, world, dtype, tolerance):
     from titan_megamoe import fused, reference
+    from titan_megamoe.precision import get_precision
+
+    bf16 = get_precision("bf16")
 
     cases = [(37, "random", False, False), (37, "random", True, True),
              (20, "skewed", False, True), (20, "skewed", True, False), (1, "random", False, False)]
@@ -45,18 +58,20 @@ def _check_against_reference(rank, world, dtype, tolerance):
         dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(99)).to(dtype)
         case = (num_tokens, routing, score_before, save)
 
+        settings = _settings(save)
+
         def fused_call():
             poison_fused_buffers()
-            y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, "bf16", 40, 0, save)
-            assert preact.shape[0] == (fused.saved_preact_shape(x, idx, w1, None, 40, True)[0] if save else 0)
-            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, "bf16", 40, 0)
+            y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+            assert preact.shape[0] == (fused.saved_shape(x, idx, w1, None, settings)[0] if save else 0)
+            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
             return y, counts, grads
 
         y, counts, grads = fused_call()
         # The fp32 reference on the same (rounded) inputs.
         f32 = [t.float() for t in (x, w1, w2, w3)]
-        y_ref, counts_ref = reference.moe_forward(f32[0], idx, w, *f32[1:], None, score_before, "bf16")
-        grads_ref = reference.moe_backward(dy.float(), f32[0], idx, w, *f32[1:], None, score_before, "bf16")
+        y_ref, counts_ref = reference.moe_forward(f32[0], idx, w, *f32[1:], None, score_before, bf16)
+        grads_ref = reference.moe_backward(dy.float(), f32[0], idx, w, *f32[1:], None, score_before, bf16)
         assert torch.equal(counts, counts_ref)
         for name, got, expected in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
             assert got.dtype == (torch.float32 if name == "d_topk_w" else dtype), (case, name)
@@ -70,8 +85,9 @@ def _check_against_reference(rank, world, dtype, tolerance):
     _check_input_reuse(dtype, tolerance)
     (buffers,) = fused._BUFFERS.values()
     (grad,) = fused._GRAD_BUFFERS.values()
-    assert fused.symmetric_bytes(capacity_tokens=40, hidden=HIDDEN) == buffers.symmetric_bytes + grad.symmetric_bytes
-    assert fused.symmetric_bytes(capacity_tokens=41) == 0
+    held = buffers.symmetric_bytes + grad.symmetric_bytes
+    assert fused.symmetric_bytes(capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == held
+    assert fused.symmetric_bytes(capacity_tokens_per_rank=CAPACITY + 1) == 0
     bm = buffers.tiles.block_m
     base, rows = buffers.local_base.tolist(), buffers.local_rows.tolist()
     assert all(b % bm == 0 for b in base)
@@ -83,22 +99,25 @@ def _check_input_reuse(dtype, tolerance):
     call on the buffers: two forwards then two backwards resend them (and match the
     reference); a backward right after its forward does not (poisoned rows show)."""
     from titan_megamoe import fused, reference
+    from titan_megamoe.precision import get_precision
 
+    settings = _settings()
     problems = [_problem(37, "random", seed=1, dtype=dtype), _problem(20, "skewed", seed=2, dtype=dtype)]
     dys = [torch.randn(p[0].shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, p in enumerate(problems)]
     poison_fused_buffers()
-    saved = [fused.moe_forward(*p, None, False, "bf16", 40, 0, False)[2] for p in problems]
+    saved = [fused.moe_forward(*p, None, False, settings)[2] for p in problems]
     for p, dy, preact in zip(problems, dys, saved):
-        grads = fused.moe_backward(dy, *p, preact, None, False, "bf16", 40, 0)
+        grads = fused.moe_backward(dy, *p, preact, None, False, settings)
         f32 = [t.float() for t in (p[0], *p[3:])]
-        expected = reference.moe_backward(dy.float(), f32[0], p[1], p[2], *f32[1:], None, False, "bf16")
+        expected = reference.moe_backward(dy.float(), f32[0], p[1], p[2], *f32[1:], None, False,
+                                          get_precision("bf16"))
         for name, got, want in zip(GRADIENTS, grads, expected):
             assert reference.relative_error(got, want) < tolerance, ("interleaved", name)
 
     p, dy = problems[0], dys[0]
-    preact = fused.moe_forward(*p, None, False, "bf16", 40, 0, False)[2]
+    preact = fused.moe_forward(*p, None, False, settings)[2]
     poison_fused_buffers()
-    grads = fused.moe_backward(dy, *p, preact, None, False, "bf16", 40, 0)
+    grads = fused.moe_backward(dy, *p, preact, None, False, settings)
     assert not torch.isfinite(grads[2]).all(), "the inputs were sent again"
 
 
@@ -122,8 +141,9 @@ def _check_training_path(rank, world):
     results = {}
     for backend, save_gemm1 in (("reference", False), ("fused", False), ("fused", True)):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
+        settings = _settings(save_gemm1, backend=backend)
         y, _ = mega_moe(leaves[0], idx, leaves[1], *leaves[2:], None, score_before_experts=False,
-                        precision="bf16", backend=backend, save_gemm1=save_gemm1)
+                        settings=settings)
         y.backward(dy)
         results[backend, save_gemm1] = [y.detach()] + [t.grad for t in leaves]
     for key in (("fused", False), ("fused", True)):
@@ -136,51 +156,102 @@ def test_fused_backend_trains_through_the_op(monkeypatch):
     run_ranks(_check_training_path, 1, timeout_s=300)
 
 
-def _two_rank_buffers(shape):
-    """Buffers for rank 0 of 2 ranks in one process: rank 1's copies exist but rank 1
-    never runs, as if it had died."""
-    from titan_megamoe.kernels.forward import ForwardBuffers
-
-    def two_copies(size, dtype):
-        mine, theirs = torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
-        two_copies.keep.append(theirs)
-        return mine, torch.tensor([mine.data_ptr(), theirs.data_ptr()], dtype=torch.int64)
-
-    two_copies.keep = []
-    buffers = ForwardBuffers(shape, torch.device("cpu"), two_copies)
-    buffers.peer_copies = two_copies.keep
-    buffers.allocator = two_copies
-    return buffers
-
-
-def _check_timeout_and_capacity(rank, world):
-    from titan_megamoe.kernels.backward import GradBuffers, fused_backward
-    from titan_megamoe.kernels.forward import ForwardShape, fused_forward
+def _check_failures_stop_every_rank(rank, world):
+    """Two virtual ranks; rank 1 never arrives. Rank 0's call fails at its deadline and
+    raises; rank 1, arriving later, fails at its first wait because rank 0 failed, and
+    raises too: neither returns a result. Every later call raises at once."""
+    from titan_megamoe import fused
+    from titan_megamoe.symm import VirtualGroup
 
     x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
-    shape = ForwardShape(ep=2, rank=0, capacity_tokens=9, top_k=TOP_K, local_experts=EXPERTS // 2,
-                         hidden=HIDDEN, inter=INTER, dtype=x.dtype)
-    buffers = _two_rank_buffers(shape)
-    local = slice(0, EXPERTS // 2)
-    args = (x, idx, w, w1[local], w2[local], w3[local], buffers, False, 1, 3)
-    fused_forward(*args, max_spins=10)  # finishes: every wait gives up
-    with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for COUNT_READY\[1\] \(value 0, expected 1\)"):
-        fused_forward(*args, max_spins=10)
-    with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for COUNT_READY\[1\]"):
-        fused_backward(x, *args[:6], None, buffers, GradBuffers(buffers, buffers.allocator), False, 1, 3, max_spins=10)
+    local = EXPERTS // 2
+    group = VirtualGroup(2, torch.device("cpu"), name="late-peer")
+    settings = _settings(timeout_s=0.2)
+    shard = [(w1[r * local:(r + 1) * local], w2[r * local:(r + 1) * local], w3[r * local:(r + 1) * local])
+             for r in range(2)]
 
-    fresh = _two_rank_buffers(shape)
-    too_many = torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), torch.cat([w, w[:1]])
-    with pytest.raises(ValueError, match="10 tokens exceed the capacity of 9 tokens per rank"):
-        fused_forward(*too_many, *args[3:6], fresh, False, 1, 3, max_spins=10)
+    def call(r):
+        return fused.moe_forward(x, idx, w, *shard[r], group.ranks[r], False, settings)
+
+    timed_out = r"rank 0 timed out after 0.2 s waiting for COUNT_READY\[1\] \(value 0, expected 1\) in call 1"
+    with pytest.raises(RuntimeError, match=timed_out + ".*no result of it was returned"):
+        call(0)
+    with pytest.raises(RuntimeError, match=r"rank 1 stopped in call 1 because rank 0 failed \(COUNT_READY\)"):
+        call(1)
+    for r in range(2):  # every later call says why, before launching anything
+        with pytest.raises(RuntimeError, match="the process must restart"):
+            call(r)
+    assert len(fused.failures()) == 2
 
 
-def test_dead_peer_times_out_and_capacity_is_checked(monkeypatch):
+def test_a_late_peer_fails_every_rank(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_check_timeout_and_capacity, 1, timeout_s=300)
+    run_ranks(_check_failures_stop_every_rank, 1, timeout_s=300)
 
 
-def _symmetric_buffers_need_one_node(rank, world):
+def _check_bad_expert_ids(rank, world, bad_id):
+    """An expert id outside [0, E) is found on the device and fails the call."""
+    from titan_megamoe import fused
+
+    x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
+    idx[4, 1] = bad_id
+    with pytest.raises(RuntimeError, match=rf"topk_idx holds expert id {bad_id}, outside \[0, {EXPERTS}\)"):
+        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings())
+
+
+@pytest.mark.parametrize("bad_id", [-3, EXPERTS, 2**40])
+def test_bad_expert_ids_fail_the_call(bad_id, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_check_bad_expert_ids, 1, bad_id, timeout_s=300)
+
+
+def _check_refusals(rank, world):
+    """What the buffers cannot serve is refused before anything launches: more tokens than
+    the capacity, no capacity with EP > 1, buffers that carry quantized rows."""
+    from titan_megamoe import fused
+    from titan_megamoe.kernels.configs import tile_config
+    from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape
+    from titan_megamoe.symm import VirtualGroup
+
+    x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
+    small = _settings().replace(capacity_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="9 tokens exceed capacity_tokens_per_rank = 8"):
+        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, small)
+    group = VirtualGroup(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="capacity_tokens_per_rank = 0 with EP = 2"):
+        fused.moe_forward(x, idx, w, w1[:4], w2[:4], w3[:4], group.ranks[0], False,
+                          _settings().replace(capacity_tokens_per_rank=0))
+
+    # A single rank without a capacity keeps one buffer set, sized for the latest call.
+    unsized = _settings().replace(capacity_tokens_per_rank=0)
+    for n in (9, 5, 9):
+        fused.moe_forward(x[:n], idx[:n], w[:n], w1, w2, w3, None, False, unsized)
+    sized_by_call = [b for key, b in fused._BUFFERS.items() if key[2].capacity_tokens_per_rank == 0]
+    assert [b.shape.capacity_tokens_per_rank for b in sized_by_call] == [9]
+
+    # Quantized rows: one allocation holds the e4m3 rows and their fp32 scales behind them.
+    shape = ForwardShape(ep=1, rank=0, capacity_tokens_per_rank=9, top_k=TOP_K, local_experts=EXPERTS,
+                         hidden=256, inter=INTER, dtype=torch.bfloat16, row_scale_k=128)
+    allocations = []
+
+    def record(size, dtype):
+        allocations.append((size, dtype))
+        t = torch.zeros(size, dtype=dtype)
+        return t, torch.tensor([t.data_ptr()])
+
+    buffers = ForwardBuffers(shape, tile_config("interpret", "native"), torch.device("cpu"), record)
+    rows = buffers.recv.shape[0]
+    assert buffers.recv.dtype == torch.float8_e4m3fn and tuple(buffers.recv_scales.shape) == (rows, 2)
+    assert allocations[0] == ((rows * 256 + rows * 2 * 4,), torch.uint8)
+    assert buffers.recv_scales.data_ptr() - buffers.recv.data_ptr() == rows * 256
+
+
+def test_refusals_and_buffer_sizes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_check_refusals, 1, timeout_s=300)
+
+
+def _symmetric_buffers_need_agreement(rank, world):
     import socket
 
     import torch.distributed as dist
@@ -189,14 +260,16 @@ def _symmetric_buffers_need_one_node(rank, world):
 
     socket.gethostname = lambda: "node-a"
     with pytest.raises(ValueError, match="symmetric buffers over 2 ranks need CUDA devices"):
-        symm.allocator(dist.group.WORLD, torch.device("cpu"))
+        symm.allocator(dist.group.WORLD, torch.device("cpu"), "same shape")
+    with pytest.raises(ValueError, match="(?s)would size their symmetric buffers differently.*rank 1: 7 tokens"):
+        symm.allocator(dist.group.WORLD, torch.device("cpu"), f"{5 + 2 * rank} tokens")
     socket.gethostname = lambda: f"node-{rank}"
     with pytest.raises(RuntimeError, match=r"EP group spans hosts \['node-0', 'node-1'\]"):
-        symm.allocator(dist.group.WORLD, torch.device("cpu"))
+        symm.allocator(dist.group.WORLD, torch.device("cpu"), "same shape")
 
 
-def test_symmetric_buffers_need_one_node():
-    run_ranks(_symmetric_buffers_need_one_node, 2, timeout_s=300)
+def test_symmetric_buffers_need_one_host_and_one_size():
+    run_ranks(_symmetric_buffers_need_agreement, 2, timeout_s=300)
 
 
 def _fused_under_activation_checkpointing(rank, world, mode):
@@ -239,7 +312,7 @@ def test_fused_backend_under_activation_checkpointing(mode, monkeypatch):
 def _compiles_fullgraph(rank, world):
     """The fused backend's op, with its saved pre-activations, traces without graph
     breaks and computes what it computes eagerly."""
-    assert_compiles_like_eager("fused", *_problem(23, "random", seed=4), capacity_tokens=40, save_gemm1=True)
+    assert_compiles_like_eager(_settings(save_gemm1=True), *_problem(23, "random", seed=4))
 
 
 def test_fused_backend_compiles_fullgraph(monkeypatch):

@@ -1,7 +1,7 @@
 """The fused forward and backward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts)
-against the reference backend and an fp32 reference (output and every gradient):
-adversarial routings, both score modes, GEMM1 recomputed and saved, poisoned buffers,
-determinism, no host synchronisation, and a timed-out peer."""
+against the reference backend and an fp32 reference (output and every gradient, each by
+its global and its worst-row error): adversarial routings, both score modes, GEMM1
+recomputed and saved, poisoned buffers, determinism, no host synchronisation."""
 
 import pytest
 import torch
@@ -51,20 +51,26 @@ def _problem(kind: str, rank: int, world: int, seed: int):
 OUTPUTS = ("y", "dx", "d_topk_w", "dw1", "dw2", "dw3")
 
 
+ROW_TOLERANCE = 5e-2
+"""The worst single row of y and dx against fp32 (a dropped or doubled slot moves a row
+by more than 1 / top_k)."""
+
+
 def _check_scenarios(rank: int, world: int):
     from titan_megamoe.ops import mega_moe
-    from titan_megamoe.reference import relative_error
+    from titan_megamoe.reference import max_row_error, relative_error
+    from titan_megamoe.settings import OperatorSettings
 
     group = dist.group.WORLD if world > 1 else None
-    capacity = TOKENS
 
     def run(backend, problem, dy, score_before, save_gemm1=False, dtype=torch.bfloat16):
         x, idx, w, w1, w2, w3 = problem
         leaves = [t.detach().clone().to(dtype).requires_grad_(True) for t in (x, w1, w2, w3)]
         w = w.clone().requires_grad_(True)
+        settings = OperatorSettings(precision="bf16", backend=backend, capacity_tokens_per_rank=TOKENS,
+                                    save_gemm1=save_gemm1)
         y, counts = mega_moe(leaves[0], idx, w, *leaves[1:], group, score_before_experts=score_before,
-                             precision="bf16", backend=backend, capacity_tokens=capacity,
-                             save_gemm1=save_gemm1)
+                             settings=settings)
         y.backward(dy.to(dtype))
         return [y.detach(), leaves[0].grad, w.grad] + [t.grad for t in leaves[1:]], counts
 
@@ -81,9 +87,12 @@ def _check_scenarios(rank: int, world: int):
             for name, a, b, b32 in zip(OUTPUTS, got, ref, ref32):
                 assert torch.isfinite(a).all(), (kind, score_before, name)
                 err_ref, err32 = relative_error(a, b), relative_error(a, b32)
+                row32 = max_row_error(a, b32)
                 print(f"rank {rank} {kind} score_before={score_before} save={save_gemm1} {name}: "
-                      f"vs reference {err_ref:.2e}, vs fp32 {err32:.2e}")
+                      f"vs reference {err_ref:.2e}, vs fp32 {err32:.2e}, worst row vs fp32 {row32:.2e}")
                 assert err_ref < BF16_TOLERANCE and err32 < BF16_TOLERANCE, (kind, score_before, name, err_ref, err32)
+                if name in ("y", "dx"):
+                    assert row32 < ROW_TOLERANCE, (kind, score_before, name, row32)
             assert torch.equal(counts, counts_ref), kind
 
     problem = _problem("random", rank, world, 7)
@@ -113,28 +122,3 @@ def test_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_ranks(_check_scenarios, 2, backend="nccl", timeout_s=600)
-
-
-def _absent_peer(rank: int, world: int):
-    from titan_megamoe import fused
-    from titan_megamoe.ops import mega_moe
-
-    fused.MAX_SPINS = 1 << 16
-    x, idx, w, w1, w2, w3 = _problem("random", rank, world, 0)
-    if rank == 0:  # rank 1 never calls: rank 0's waits must time out, not hang
-        mega_moe(x, idx, w, w1, w2, w3, dist.group.WORLD, score_before_experts=False,
-                 precision="bf16", backend="fused", capacity_tokens=TOKENS)
-        torch.cuda.synchronize()
-        with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for COUNT_READY\[1\]"):
-            mega_moe(x, idx, w, w1, w2, w3, dist.group.WORLD, score_before_experts=False,
-                     precision="bf16", backend="fused", capacity_tokens=TOKENS)
-    else:  # take part in the buffers' rendezvous only
-        fused._buffers(dist.group.WORLD, x.device, fused.ForwardShape(
-            ep=world, rank=rank, capacity_tokens=TOKENS, top_k=TOP_K,
-            local_experts=w1.shape[0], hidden=HIDDEN, inter=INTER, dtype=x.dtype))
-
-
-def test_dead_peer_times_out():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    run_ranks(_absent_peer, 2, backend="nccl", timeout_s=300)

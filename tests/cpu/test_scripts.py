@@ -1,0 +1,304 @@
+"""The README's commands on a machine without a GPU: bench_layer's argument checks, its
+CPU A/B (first line at once, progress, a table without empty columns, a titled plot),
+and the training scripts refusing at once."""
+
+import importlib.util
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_megamoe.precision import PRECISION_CHOICES
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+# Every subprocess sees no GPU, so these tests take the CPU paths on any machine.
+NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_layer = load_script("bench_layer")
+profile_layer = load_script("profile_layer")
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--tokens", "-5"], ["--tokens", "'-5'"]),
+        (["--tokens", "4096,lots"], ["--tokens", "'lots'"]),
+        (["--tokens", "0"], ["--tokens", "'0'"]),
+        (["--iters", "0"], ["--iters", "'0'"]),
+        (["--warmup", "-1"], ["--warmup", "'-1'"]),
+        (["--comm-sms", "-3"], ["--comm-sms", "'-3'"]),
+        (["--shapes", "debug,30B"], ["--shapes", "'30B'"]),
+        (["--shapes", "debug,debug"], ["--shapes", "'debug' is given twice"]),
+        (["--variants", "stock,mega"], ["--variants", "'mega'"]),
+        (["--precision", "fp4"], ["--precision", "'fp4'"]),
+        (["--backend", "magic"], ["--backend", "'magic'"]),
+        # The fused backend cannot run on the CPU: refused with the reason, before any rank starts.
+        (["--backend", "fused"], ["--backend fused", "cannot run here"]),
+        (["--variants", "stock,stock_compiled"], ["--variants", "stock_compiled needs a GPU"]),
+        (["--variants", "stock,stock_fp8,mega_moe"],
+         ["--variants", "stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9", "none is visible here"]),
+    ],
+)
+def test_bench_layer_bad_arguments_name_the_value(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_layer.parse_args(CPU, argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "error: " in error
+    for text in named:
+        assert text in error, error
+
+
+def test_bench_layer_refuses_stock_fp8_below_sm89(monkeypatch, capsys):
+    """TorchTitan's float8 grouped-MM converter refuses below compute capability 8.9: so
+    does the launcher, before any rank starts (the GPU is faked; nothing touches CUDA)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_layer.parse_args(torch.device("cuda", 0), ["--variants", "stock,stock_fp8"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "--variants: stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9" in error, error
+    assert "NVIDIA A100-SXM4-80GB is 8.0" in error, error
+
+
+def test_bench_layer_precision_choices_are_the_configs(capsys):
+    with pytest.raises(SystemExit):
+        bench_layer.parse_args(CPU, ["--precision", "fp4"])
+    offered = capsys.readouterr().err.splitlines()[-1].partition("choose from")[2]
+    assert [name.strip(" '()") for name in offered.split(",")] == list(PRECISION_CHOICES)
+    for name in PRECISION_CHOICES:
+        args, _ = bench_layer.parse_args(CPU, ["--precision", name, "--backend", "reference"])
+        assert args.precision_name == ("bf16" if name == "auto" else name)
+
+
+def test_bench_layer_cpu_defaults_and_backend_resolution():
+    args, note = bench_layer.parse_args(CPU, ["--variants", "stock,mega_moe"])
+    assert (args.shapes, args.tokens, args.resolved_backend) == (["debug"], [256], "reference")
+    assert note.startswith("[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead")
+    assert "./scripts/bench_layer.sh --variants stock,mega_moe" in note
+    # Explicit rows run as asked, without the note.
+    args, note = bench_layer.parse_args(CPU, ["--shapes", "debug", "--tokens", "64"])
+    assert note is None
+    # auto never picks the reference backend; as if the EP group spanned nodes it says why not fused.
+    args, _ = bench_layer.parse_args(CPU, ["--backend", "auto", "--ep-spans-nodes"])
+    assert args.resolved_backend == "stock"
+    assert "fused" in args.backend_reason and "spans nodes" in args.backend_reason
+
+
+def test_bench_layer_launcher_passes_what_it_resolved():
+    args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes"])
+    again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
+    assert note is None  # the ranks do not repeat the launcher's first line
+    assert vars(again) == vars(args)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--tokens", "0"], "'0'"),
+        (["--iters", "-1"], "'-1'"),
+        (["--comm-sms", "8,x"], "'x'"),
+        (["--tiles", "", "gemm2_n=128,stages=3"], "'stages'"),
+        (["--tiles", "gemm2_n=big"], "'gemm2_n=big'"),
+    ],
+)
+def test_profile_layer_bad_arguments_name_the_value(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        profile_layer.parse_args(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"argument {argv[0]}" in error and named in error, error
+
+
+def test_profile_layer_says_it_needs_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["profile_layer.py", "--tokens", "64"])
+    with pytest.raises(SystemExit) as exit_info:
+        profile_layer.main()
+    assert "need NVIDIA GPUs" in str(exit_info.value.code)
+
+
+# ---------------------------------------------------------------- table and plot
+
+
+def _result(forward_only: bool, ms: float) -> dict:
+    result = {"forward_ms": ms, "forward_tflops": 0.01}
+    if not forward_only:
+        result.update(backward_ms=2 * ms, fwd_bwd_ms=3 * ms)
+    return result
+
+
+def _cpu_rows(forward_only: bool, variants) -> list[dict]:
+    rows = []
+    for tokens in (64, 128):
+        row = {"shape": "debug", "tokens_per_rank": tokens, "ep": 2}
+        row.update({v: _result(forward_only, 10.0 + i) for i, v in enumerate(variants)})
+        # As bench_row measures them: every variant after stock against stock.
+        keys = ("y",) if forward_only else ("y", "dx", "dgate", "dw1", "dw2", "dw3")
+        for v in variants:
+            if "stock" in row and v != "stock":
+                row[v]["rel_err_vs_stock"] = dict.fromkeys(keys, 1e-7)
+        row["speedup"] = bench_layer.speedups(row)
+        rows.append(row)
+    return rows
+
+
+def _meta(forward_only: bool, variants) -> dict:
+    return {
+        "device": "cpu", "ep": 2, "dist_backend": "gloo", "dtype": "float32",
+        "shapes": ["debug"], "tokens": [64, 128], "variants": list(variants),
+        "precision": "bf16", "precision_requested": "bf16", "backend": "reference",
+        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "save_gemm1": False,
+        "forward_only": forward_only, "iters": 3, "warmup": 1, "matmul_peak_tflops": None,
+    }
+
+
+def table_cells(markdown: str) -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    split = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return split[0], split[2:]
+
+
+def assert_no_empty_column(markdown: str) -> list[str]:
+    header, rows = table_cells(markdown)
+    assert rows and all(len(r) == len(header) for r in rows)
+    for i, name in enumerate(header):
+        assert any(r[i] not in ("", "-") for r in rows), f"column {name!r} is empty:\n{markdown}"
+    return header
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+@pytest.mark.parametrize(
+    "variants",
+    [("stock", "mega_moe"), ("stock",), ("mega_moe",), ("stock", "stock_fp8"), ("stock", "stock_fp8", "mega_moe")],
+)
+def test_markdown_has_no_empty_columns(forward_only, variants):
+    markdown = bench_layer.markdown(_cpu_rows(forward_only, variants), _meta(forward_only, variants))
+    header = assert_no_empty_column(markdown)
+    assert not any("compiled" in h or "peak GiB" in h for h in header)
+    assert any("bwd" in h for h in header) is not forward_only
+    assert any("fp8" in h for h in header) is ("stock_fp8" in variants)
+    assert any("speedup vs stock fp8" in h for h in header) is ("stock_fp8" in variants and "mega_moe" in variants)
+
+
+def test_table_states_mega_over_stock_fp8_and_its_error():
+    """A 2-GPU fp8 row as bench_row leaves it: mega_moe's speedups over stock and over
+    stock_fp8 for each pass, and stock_fp8's error against stock next to mega's."""
+    keys = ("y", "dx", "dgate", "dw1", "dw2", "dw3")
+    row = {
+        "shape": "30B-A3B", "tokens_per_rank": 4096, "ep": 2,
+        "stock": {"forward_ms": 4.0, "backward_ms": 8.0, "fwd_bwd_ms": 12.0},
+        "stock_fp8": {"forward_ms": 3.0, "backward_ms": 9.0, "fwd_bwd_ms": 12.0,
+                      "rel_err_vs_stock": dict.fromkeys(keys, 0.03)},
+        "mega_moe": {"forward_ms": 1.5, "backward_ms": 6.0, "fwd_bwd_ms": 7.5, "forward_tflops": 500.0,
+                     "rel_err_vs_stock": dict.fromkeys(keys, 0.02)},
+    }
+    row["speedup"] = bench_layer.speedups(row)
+    assert row["speedup"] == pytest.approx({
+        "forward_vs_stock": 4 / 1.5, "backward_vs_stock": 8 / 6, "fwd_bwd_vs_stock": 12 / 7.5,
+        "forward_vs_stock_fp8": 2.0, "backward_vs_stock_fp8": 1.5, "fwd_bwd_vs_stock_fp8": 1.6,
+    })
+    meta = {**_meta(False, ("stock", "stock_fp8", "mega_moe")), "device": "NVIDIA H200", "precision": "fp8",
+            "backend": "stock", "shapes": ["30B-A3B"], "tokens": [4096]}
+    markdown = bench_layer.markdown([row], meta)
+    header = assert_no_empty_column(markdown)
+    cells = dict(zip(header, table_cells(markdown)[1][0]))
+    # pass, stock fp8 ms, speedup vs stock, speedup vs stock fp8
+    expected = [("fwd", "3.00", "2.67x", "2.00x"), ("bwd", "9.00", "1.33x", "1.50x"),
+                ("fwd+bwd", "12.00", "1.60x", "1.60x")]
+    for short, fp8_ms, vs_stock, vs_fp8 in expected:
+        assert cells[f"stock fp8 {short} ms"] == fp8_ms
+        assert cells[f"{short} speedup vs stock"] == vs_stock
+        assert cells[f"{short} speedup vs stock fp8"] == vs_fp8
+        # Next to the speedup over stock.
+        assert header.index(f"{short} speedup vs stock fp8") == header.index(f"{short} speedup vs stock") + 1
+    errors = "(y, dx, dgate, dw1, dw2, dw3)"
+    assert cells[f"stock fp8 max rel err vs stock {errors}"] == ", ".join(["3.0e-02"] * 6)
+    assert cells[f"mega max rel err vs stock {errors}"] == ", ".join(["2.0e-02"] * 6)
+    assert not any("compiled" in h for h in header)
+
+
+@pytest.mark.parametrize("variants", [("stock", "mega_moe"), ("stock", "stock_fp8", "mega_moe")])
+def test_plot_title_names_device_ep_shapes_and_precision(variants, tmp_path):
+    meta = _meta(False, variants)
+    title = bench_layer.plot_title(meta)
+    for text in ("cpu", "EP=2", "debug", "bf16", "reference"):
+        assert text in title
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    path = tmp_path / "bench_layer.png"
+    assert bench_layer.plot(_cpu_rows(False, meta["variants"]), meta, path) == f"wrote {path}"
+    with Image.open(path) as image:
+        assert image.text["Title"] == title
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def test_cpu_main_job_prints_at_once_and_runs_a_small_ab(tmp_path):
+    """The README's main job on a machine without a GPU, with a smaller row than its CPU
+    default (what the launcher prints first does not depend on it)."""
+    command = [str(REPO / "scripts" / "bench_layer.sh"), "--variants", "stock,mega_moe", "--save-gemm1",
+               "--tokens", "64", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
+    start = time.monotonic()
+    process = subprocess.Popen(command, env=NO_GPU_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            assert selector.select(timeout=10), "nothing printed within 10 s"
+        first = process.stdout.readline()
+        first_after = time.monotonic() - start
+        assert first.startswith("[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead"), first
+        assert "./scripts/bench_layer.sh --variants stock,mega_moe --save-gemm1" in first
+        assert first_after < 10, f"first line after {first_after:.1f} s"
+        rest = process.communicate(timeout=120)[0]
+    finally:
+        if process.poll() is None:
+            process.terminate()  # the process is torchrun by now: SIGTERM ends its ranks too
+            process.wait(timeout=60)
+    assert process.returncode == 0, first + rest
+    lines = rest.splitlines()
+    header = next(line for line in lines if line.startswith("[bench_layer] cpu x2"))
+    assert "mega_moe backend reference (asked for)" in header
+    for variant in ("stock", "mega_moe"):
+        assert f"[bench_layer] debug 64 tokens/rank: {variant} started" in rest
+        assert any(line.startswith(f"[bench_layer] debug 64 tokens/rank: {variant} done in ") for line in lines)
+    table = (tmp_path / "bench_layer.md").read_text()
+    header = assert_no_empty_column(table)
+    assert "stock fwd+bwd ms" in header and "mega fwd+bwd ms" in header
+
+
+@pytest.mark.parametrize("script", ["run_train.sh", "ab_train.sh"])
+def test_training_scripts_refuse_without_gpus(script, tmp_path):
+    env = {**NO_GPU_ENV, "NGPU": "2", "CONFIG_FILE": "train_configs/debug_moe_mega_moe.toml",
+           "AB_OUT": str(tmp_path / "ab")}
+    done = subprocess.run([str(REPO / "scripts" / script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "training needs NVIDIA GPUs: NGPU=2 asks for 2" in done.stderr and "sees none" in done.stderr, done.stderr
+    assert "torchrun" not in done.stdout + done.stderr  # refused before launching
+    assert not (tmp_path / "ab").exists()  # ab_train.sh wrote nothing
+
+
+def test_run_train_rejects_a_bad_ngpu():
+    done = subprocess.run([str(REPO / "scripts" / "run_train.sh")], env={**NO_GPU_ENV, "NGPU": "two"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "NGPU=two is not valid" in done.stderr, done.stderr

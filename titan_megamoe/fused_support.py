@@ -1,0 +1,53 @@
+"""Where the ``fused`` backend can run, decided from facts alone (no Triton import, so
+``auto`` can rule it out on hosts that will never launch a kernel).
+
+The fused kernels run where the tile table (``titan_megamoe.kernels.configs``) has a
+row for the GPU's architecture and every format of the precision, for the activation
+dtypes listed in ``SERVED_DTYPES``, with the EP group's GPUs on one node.
+"""
+
+import torch
+
+from titan_megamoe.kernels.configs import INTERPRET, TILE_CONFIGS, arch_of
+from titan_megamoe.precision import Precision
+
+SERVED_DTYPES = {
+    "sm90": (torch.bfloat16,),
+    "interpret": (torch.float32, torch.bfloat16),
+}
+"""Activation dtypes the kernels are built and tested for, by architecture."""
+
+
+def arch(device: torch.device) -> tuple[str | None, str]:
+    """``(tile-table architecture or None, what the device is)`` for ``device``."""
+    if INTERPRET:
+        return "interpret", "the Triton interpreter"
+    if device.type != "cuda":
+        return None, f"a {device.type} device"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip is not None:
+        return None, f"{name}, a ROCm GPU (it reports compute capability {major}.{minor})"
+    return arch_of((major, minor)), f"{name} (compute capability {major}.{minor})"
+
+
+def unsupported_reason(
+    device: torch.device, dtype: torch.dtype, precision: Precision, ep_within_node: bool
+) -> str | None:
+    """Why the fused backend cannot run experts computing in ``dtype`` on ``device`` in
+    ``precision``, or None if it can."""
+    if not ep_within_node:
+        return "its EP group must be GPUs of one node (NVLink peers); this one spans nodes"
+    target, described = arch(device)
+    if target is None:
+        rows = ", ".join(sorted({a for a, _ in TILE_CONFIGS} - {"interpret"}))
+        return f"the tile table has no row for {described}; it has: {rows} (H100/H200)"
+    missing = sorted({f.name for f in precision.formats if (target, f.name) not in TILE_CONFIGS})
+    if missing:
+        return (f"precision {precision.name!r} needs {', '.join(missing)} GEMM kernels, which the "
+                f"fused backend does not have on {target} yet")
+    if dtype not in SERVED_DTYPES[target]:
+        served = ", ".join(str(d).removeprefix("torch.") for d in SERVED_DTYPES[target])
+        return (f"its {target} kernels take {served} activations; these experts compute in "
+                f"{str(dtype).removeprefix('torch.')} (FSDP's mixed_precision_param sets it)")
+    return None
