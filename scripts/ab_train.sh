@@ -24,6 +24,8 @@ else
     echo "ab_train: no such TOML: $CONFIG_FILE" >&2
     exit 1
 fi
+# Refuse a machine without NGPU GPUs before writing anything.
+"$REPO/scripts/run_train.sh" --check-gpus
 STEM=$(basename "$CONFIG_FILE" .toml)
 AB_OUT=$(realpath -m "${AB_OUT:-$REPO/outputs/ab/$STEM-$(date +%Y%m%d-%H%M%S)}")
 AB_WINDOW=${AB_WINDOW:-6-20}

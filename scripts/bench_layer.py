@@ -1,15 +1,26 @@
 """Layer A/B: stock TorchTitan MoE (ExpertParallel all-to-all), eager and compiled, vs
 MegaMoE, one process group, same weights, same inputs, random routing, EP = every rank.
 
-    torchrun --nproc_per_node=N scripts/bench_layer.py [--shapes 30B-A3B,235B-A22B]
-        [--tokens 4096,16384] [--variants stock,stock_compiled,mega_moe] [--forward-only]
+    ./scripts/bench_layer.sh [--shapes 30B-A3B,235B-A22B] [--tokens 4096,16384]
+        [--variants stock,stock_compiled,stock_fp8,mega_moe] [--forward-only] [--backend auto]
 
-Uses NCCL and the GPUs when CUDA is available, gloo and the CPU otherwise (there the
-compiled stock variant is skipped). Every rank runs the same fixed number of iterations
-(a self-tuning timer would run a different count per rank and deadlock the collectives
-inside). ``--forward-only`` times the forward alone, under ``torch.no_grad()``. Prints a
-table on rank 0 and writes ``bench_layer.json``, ``bench_layer.md`` and, with
-matplotlib, ``bench_layer.png``.
+``stock_fp8``, run only when asked for, is the stock layer as a TorchTitan job with the
+``quantize.grouped_mm.float8`` converter and compile runs it (torchao fp8 rowwise grouped
+GEMMs), the baseline of ``mega_moe --precision fp8``; it needs a GPU of compute
+capability 8.9 or more.
+
+Started without torchrun (``bench_layer.sh``, or ``python scripts/bench_layer.py``), it
+checks its arguments, says what it will run and starts itself under torchrun: one rank
+per visible GPU with NCCL or, with no GPU, 2 gloo ranks on the CPU. On the CPU every
+argument left out takes a small default (shape ``debug``, 256 tokens/rank, 3 iterations,
+mega_moe on its ``reference`` backend, no ``stock_compiled``) instead of the GPU shapes,
+and the first line printed says so.
+
+Every rank runs the same fixed number of iterations (a self-tuning timer would run a
+different count per rank and deadlock the collectives inside). ``--forward-only`` times
+the forward alone, under ``torch.no_grad()``. Prints a line as each variant of each row
+starts and ends, a table on rank 0, and writes ``bench_layer.json``, ``bench_layer.md``
+and, with matplotlib, ``bench_layer.png``.
 """
 
 import argparse
@@ -17,7 +28,10 @@ import dataclasses
 import gc
 import json
 import os
+import shlex
 import statistics
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -27,15 +41,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtitan.distributed.expert_parallel import ExpertParallel
-from torchtitan.models.moe import MoE, MoEArgs
-from torchtitan.models.moe import moe as moe_module
-
-from titan_megamoe import cpu_compat, fused
-from titan_megamoe.layer import MegaMoE, OperatorSettings
-from titan_megamoe.ops import resolve_backend
-from titan_megamoe.parallel import MegaExpertParallel
+from titan_megamoe import cpu_compat
+from titan_megamoe.ops import BACKENDS, resolve_backend
+from titan_megamoe.precision import GROUPED_MM_FLOAT8, PRECISION_CHOICES, get_precision
 from titan_megamoe.reference import relative_error
+from titan_megamoe.settings import OperatorSettings
+
+# TorchTitan (and the modules of this package that build on it) take seconds to import;
+# the functions that build layers import them, so that the launcher answers at once.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,36 +65,176 @@ SHAPES = {
     "235B-A22B": LayerShape(hidden=4096, inter=1536, experts=128, top_k=8),
 }
 
-VARIANTS = ("stock", "stock_compiled", "mega_moe")
+VARIANTS = ("stock", "stock_compiled", "stock_fp8", "mega_moe")
 """Stock TorchTitan eager (the reference every error is measured against), the same
-layer compiled as TorchTitan compiles MoE blocks, and MegaMoE."""
+layer compiled as TorchTitan compiles MoE blocks, that compiled layer with TorchTitan's
+float8 grouped-MM converter on its routed experts, and MegaMoE."""
 
-EAGER_GROUPED_MM = moe_module._run_experts_grouped_mm
+LABELS = {"stock": "stock", "stock_compiled": "stock compiled", "stock_fp8": "stock fp8", "mega_moe": "mega"}
+
+BASELINES = ("stock", "stock_compiled", "stock_fp8")
+"""The variants mega_moe's speedups are stated over."""
+
+FP8_CAPABILITY = (8, 9)
+"""The compute capability below which TorchTitan's float8 grouped-MM converter refuses."""
+
+BACKEND_CHOICES = ("auto", *BACKENDS)
+
+DEFAULTS = {
+    # What runs on GPUs: the shapes of the published results.
+    # stock_fp8 only when asked for: it needs an fp8-capable GPU.
+    "cuda": dict(shapes=["30B-A3B", "235B-A22B"], tokens=[4096, 16384],
+                 variants=["stock", "stock_compiled", "mega_moe"], backend="auto", warmup=3, iters=20),
+    # A small row that runs in seconds on two CPU cores. Stock compiled is left out (it
+    # compiles the grouped GEMM as on GPUs), and the fused backend needs a GPU, so auto
+    # would run mega_moe as stock: the reference backend gives a real A/B.
+    "cpu": dict(shapes=["debug"], tokens=[256], variants=["stock", "mega_moe"],
+                backend="reference", warmup=1, iters=3),
+}
+
+CPU_RANKS = 2
+COMPUTE_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+"""Weights and activations of every variant, by device type."""
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off: the EP transport uses peer memory only."""
 
 
-def parse_args():
+def _int(text: str, least: int, what: str) -> int:
+    try:
+        if int(text) >= least:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1, "an integer > 0")
+
+
+def nonnegative_int(text: str) -> int:
+    return _int(text, 0, "an integer >= 0")
+
+
+def token_counts(text: str) -> list[int]:
+    return [_int(t, 1, "a token count (an integer > 0)") for t in text.split(",")]
+
+
+def names_from(known):
+    """An argparse type: comma-separated names, each from ``known``, none twice."""
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in known:
+                raise argparse.ArgumentTypeError(f"unknown name {name!r}; known: {', '.join(known)}")
+            if names.count(name) > 1:
+                raise argparse.ArgumentTypeError(f"{name!r} is given twice")
+        return names
+
+    return parse
+
+
+def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str | None]:
+    """Checked arguments, with the defaults of ``device``'s type filled in and the
+    backend resolved (``args.resolved_backend``, ``args.backend_reason``); and, when the
+    CPU defaults replace the GPU shapes, the line that says so."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="30B-A3B,235B-A22B", help=f"comma-separated, from {', '.join(SHAPES)}")
-    p.add_argument("--tokens", default="4096,16384", help="comma-separated tokens per rank")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--shapes", type=names_from(SHAPES),
+                   help=f"comma-separated, from {', '.join(SHAPES)} (default: 30B-A3B,235B-A22B; CPU: debug)")
+    p.add_argument("--tokens", type=token_counts, help="comma-separated tokens per rank (default: 4096,16384; CPU: 256)")
+    p.add_argument("--variants", type=names_from(VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)} "
+                        "(default: stock,stock_compiled,mega_moe; CPU: stock,mega_moe)")
     p.add_argument("--forward-only", action="store_true", help="time the forward alone, under torch.no_grad()")
-    p.add_argument("--precision", default="bf16", help="mega_moe precision")
-    p.add_argument("--backend", default="auto", help="mega_moe backend: auto | fused | reference")
-    p.add_argument("--comm-sms", type=int, default=0, help="mega_moe fused: dispatching programs (0: default)")
+    p.add_argument("--precision", default="bf16", choices=PRECISION_CHOICES,
+                   help="mega_moe precision (auto: bf16, as with no torchao converter)")
+    p.add_argument("--backend", choices=BACKEND_CHOICES,
+                   help="mega_moe backend (default: auto; CPU: reference)")
+    p.add_argument("--ep-spans-nodes", action="store_true",
+                   help="resolve the backend as if the EP group spanned nodes (auto then runs stock)")
+    p.add_argument("--comm-sms", type=nonnegative_int, default=0,
+                   help="mega_moe fused: dispatching programs (0: default)")
     p.add_argument("--save-gemm1", action="store_true",
                    help="mega_moe fused: the forward keeps GEMM1's pre-activations for the backward")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
+    p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
     p.add_argument("--out", default="outputs/bench_layer")
-    args = p.parse_args()
-    for name in args.shapes.split(","):
-        if name not in SHAPES:
-            p.error(f"--shapes: unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    args.variants = args.variants.split(",")
-    for name in args.variants:
-        if name not in VARIANTS:
-            p.error(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-    return args
+    args = p.parse_args(argv)
+
+    defaults = DEFAULTS[device.type]
+    left_out = [name for name in defaults if getattr(args, name) is None]
+    for name in left_out:
+        setattr(args, name, defaults[name])
+    note = None
+    if "stock_fp8" in args.variants:
+        refusal = stock_fp8_refusal(device)
+        if refusal:
+            p.error(f"--variants: stock_fp8 {refusal}")
+    if device.type == "cpu":
+        if "stock_compiled" in args.variants:
+            p.error("--variants: stock_compiled needs a GPU (it compiles the grouped GEMM as TorchTitan does there)")
+        if "shapes" in left_out or "tokens" in left_out:
+            gpu = DEFAULTS["cuda"]
+            note = (
+                f"[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead: shape "
+                f"{','.join(args.shapes)} at {','.join(map(str, args.tokens))} tokens/rank, "
+                f"{CPU_RANKS} gloo ranks, {args.iters} iterations after {args.warmup} warmup, "
+                f"{' vs '.join(args.variants)} (mega_moe backend {args.backend}). The "
+                f"{' and '.join(gpu['shapes'])} shapes at {' and '.join(f'{t:,}' for t in gpu['tokens'])} "
+                f"tokens/rank need NVIDIA GPUs: run ./scripts/bench_layer.sh "
+                f"{shlex.join(sys.argv[1:] if argv is None else argv)} on a machine with them"
+            )
+
+    args.precision_name = "bf16" if args.precision == "auto" else args.precision
+    try:
+        args.resolved_backend, args.backend_reason = resolve_backend(
+            args.backend, device, COMPUTE_DTYPE[device.type], get_precision(args.precision_name),
+            ep_within_node=not args.ep_spans_nodes,
+        )
+    except NotImplementedError as error:
+        p.error(f"--backend {args.backend}: {error}")
+    return args, note
+
+
+def stock_fp8_refusal(device: torch.device) -> str | None:
+    """Why ``stock_fp8`` cannot run on ``device``, or None: TorchTitan's converter check
+    (compute capability), then torchao's MoE training import, which also fails where
+    torchao's Triton kernels do not build with the installed Triton."""
+    needs = "needs an NVIDIA GPU of compute capability >= {}.{} (fp8 grouped GEMMs)".format(*FP8_CAPABILITY)
+    if device.type != "cuda":
+        return f"{needs}; none is visible here"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        return f"{needs}; {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+    except Exception as error:
+        return f"needs torchao's MoE training (torchao 0.16), which failed to import: {error!r}"
+    return None
+
+
+def worker_argv(args) -> list[str]:
+    """The arguments that give the ranks exactly what the launcher resolved."""
+    argv = [
+        "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
+        "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
+        "--comm-sms", str(args.comm_sms), "--warmup", str(args.warmup), "--iters", str(args.iters),
+        "--out", args.out,
+    ]
+    flags = {"--forward-only": args.forward_only, "--save-gemm1": args.save_gemm1,
+             "--ep-spans-nodes": args.ep_spans_nodes}
+    return argv + [flag for flag, on in flags.items() if on]
+
+
+def launch(args, nproc: int) -> None:
+    """Replace this process with torchrun running ``nproc`` ranks of this script."""
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0", __file__, *worker_argv(args)]
+    os.execv(sys.executable, argv)
 
 
 class Timer:
@@ -106,7 +259,14 @@ class Timer:
 
 def build_layers(shape: LayerShape, variants, device, dtype, ep_mesh, settings) -> dict:
     """The asked-for variants, each its own layer with the same weights: stock MoE under
-    ExpertParallel (compiled for ``stock_compiled``), MegaMoE under MegaExpertParallel."""
+    ExpertParallel (compiled for ``stock_compiled``; converted to fp8, then compiled, for
+    ``stock_fp8``), MegaMoE under MegaExpertParallel."""
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    from titan_megamoe.layer import MegaMoE
+    from titan_megamoe.parallel import MegaExpertParallel
+
     moe_args = MoEArgs(
         num_experts=shape.experts, num_shared_experts=0, top_k=shape.top_k,
         score_func="softmax", route_norm=True, score_before_experts=False,
@@ -115,30 +275,61 @@ def build_layers(shape: LayerShape, variants, device, dtype, ep_mesh, settings) 
     )
     layers = {}
     for name in variants:
-        layer = _seeded_stock_layer(shape, moe_args, device, dtype)
+        torch.manual_seed(0)
+        layer = MoE(moe_args, dim=shape.hidden, hidden_dim=shape.inter).to(device)
+        with torch.no_grad():
+            layer.init_weights(init_std=0.02, buffer_device=device)
+        # Weights in the compute dtype; the load-balance counters stay fp32.
+        layer.experts.to(dtype)
+        layer.router.to(dtype)
         if name == "mega_moe":
             layer = MegaMoE(layer, settings)
+        if name == "stock_fp8":
+            # Before ExpertParallel, as TorchTitan converts the model before parallelizing it.
+            convert_like_torchtitan_fp8(layer, ep_degree=1 if ep_mesh is None else ep_mesh.size())
         if ep_mesh is not None:
             plan = MegaExpertParallel() if name == "mega_moe" else ExpertParallel()
             parallelize_module(layer.experts, ep_mesh, plan)
-        if name == "stock_compiled":
+        if name in ("stock_compiled", "stock_fp8"):
             compile_like_torchtitan(layer, ep=ep_mesh is not None)
         layers[name] = layer
     return layers
 
 
-def _seeded_stock_layer(shape: LayerShape, moe_args: MoEArgs, device, dtype) -> MoE:
-    torch.manual_seed(0)
-    layer = MoE(moe_args, dim=shape.hidden, hidden_dim=shape.inter).to(device)
-    with torch.no_grad():
-        layer.init_weights(init_std=0.02, buffer_device=device)
-    # Weights in the compute dtype; the load-balance counters stay fp32.
-    layer.experts.to(dtype)
-    layer.router.to(dtype)
-    return layer
+def convert_like_torchtitan_fp8(layer, ep_degree: int) -> None:
+    """Apply TorchTitan 0.2.2's ``quantize.grouped_mm.float8`` converter, built from a job
+    config that asks for it on ``experts``, to ``layer``: its ``convert`` runs torchao's
+    ``quantize_(layer, MoETrainingConfig(), filter_fn=<FQN contains "experts">)``, which
+    wraps the routed experts' weights in ``ScaledGroupedMMTensor`` so that their
+    ``torch._grouped_mm`` calls run as fp8 rowwise scaled grouped GEMMs, forward and
+    backward.
+
+    The converter also pads token groups to 16 rows (fp8's alignment) for the whole
+    process; here that alignment holds only during this layer's forward, so the bf16
+    layers keep TorchTitan's default of 8, as in a bf16 job.
+    """
+    from torchtitan.components.quantization.float8 import Float8GroupedMMConverter
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.moe import utils as moe_utils
+
+    job = JobConfig()
+    job.model.converters = [GROUPED_MM_FLOAT8]
+    job.quantize.grouped_mm.float8.fqns = ["experts"]
+    # The layer is compiled as TorchTitan compiles it (the converter warns otherwise).
+    job.compile.enable = True
+    job.compile.components = ["model"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=ep_degree, etp=1, world_size=ep_degree)
+    default_alignment = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    converter = Float8GroupedMMConverter(job, dims)
+    fp8_alignment = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
+    moe_utils.set_token_group_alignment_size_m(default_alignment)
+    converter.convert(layer)
+    layer.register_forward_pre_hook(lambda *_: moe_utils.set_token_group_alignment_size_m(fp8_alignment))
+    layer.register_forward_hook(lambda *_: moe_utils.set_token_group_alignment_size_m(default_alignment))
 
 
-def compile_like_torchtitan(layer: MoE, ep: bool) -> None:
+def compile_like_torchtitan(layer, ep: bool) -> None:
     """Compile ``layer`` as TorchTitan 0.2.2's ``apply_compile`` (llama4, used by qwen3)
     compiles an MoE block: every child but ``experts`` (router, reorderer) fullgraph, the
     token dispatch/combine hooks on ``experts`` eager, and the module-level grouped-GEMM
@@ -148,11 +339,14 @@ def compile_like_torchtitan(layer: MoE, ep: bool) -> None:
     compiled one is swapped in only around this layer's forward, so the eager stock layer
     stays eager. The backward of the compiled function is already in its autograd graph.
     """
+    from torchtitan.models.moe import moe as moe_module
+
+    eager = moe_module._run_experts_grouped_mm
     torch._dynamo.config.capture_scalar_outputs = True
     for name, child in list(layer.named_children()):
         if name != "experts":
             setattr(layer, name, torch.compile(child, fullgraph=True))
-    compiled = torch.compile(EAGER_GROUPED_MM, fullgraph=True)
+    compiled = torch.compile(eager, fullgraph=True)
 
     def dynamic(w1, w2, w3, x, num_tokens_per_expert):
         torch._dynamo.mark_dynamic(x, 0)  # the routed row count varies under EP
@@ -160,7 +354,7 @@ def compile_like_torchtitan(layer: MoE, ep: bool) -> None:
 
     grouped_mm = dynamic if ep else compiled
     layer.register_forward_pre_hook(lambda *_: setattr(moe_module, "_run_experts_grouped_mm", grouped_mm))
-    layer.register_forward_hook(lambda *_: setattr(moe_module, "_run_experts_grouped_mm", EAGER_GROUPED_MM))
+    layer.register_forward_hook(lambda *_: setattr(moe_module, "_run_experts_grouped_mm", eager))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -260,36 +454,49 @@ def errors_vs_stock(y, grads, reference, device) -> dict:
 
 
 def speedups(row) -> dict:
-    """mega_moe over stock and over stock_compiled, for every time both measured."""
+    """mega_moe over each baseline (stock, stock_compiled, stock_fp8), for every time
+    both measured."""
     out = {}
     if "mega_moe" not in row:
         return out
-    for base in ("stock", "stock_compiled"):
+    for base in BASELINES:
         for key in ("forward", "backward", "fwd_bwd"):
             if base in row and f"{key}_ms" in row[base]:
                 out[f"{key}_vs_{base}"] = row[base][f"{key}_ms"] / row["mega_moe"][f"{key}_ms"]
     return out
 
 
-def bench_row(layers, shape_name, tokens, args, device, dtype, settings, timer, peak):
+def times_text(result, forward_only) -> str:
+    return f"{result['forward_ms']:.2f}" + ("" if forward_only else f" / {result['fwd_bwd_ms']:.2f}")
+
+
+def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say):
     """One (shape, tokens) row: every variant on the same inputs."""
     shape = SHAPES[shape_name]
     if "mega_moe" in layers:
         # The fused backend sizes its buffers for the row's tokens per rank.
-        layers["mega_moe"].experts.settings = dataclasses.replace(settings, capacity_tokens=tokens)
+        experts = layers["mega_moe"].experts
+        experts.settings = experts.settings.replace(capacity_tokens_per_rank=tokens)
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     x = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
     dy = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
     row = {"shape": shape_name, "tokens_per_rank": tokens, "ep": dist.get_world_size()}
     # Routed-expert GEMM work: 3 GEMMs of 2*H*I flops per routed row forward, twice that backward.
     fwd_flops = 2 * 3 * tokens * shape.top_k * shape.hidden * shape.inter
+    what = "fwd" if args.forward_only else "fwd / fwd+bwd"
     reference = None
     for name, layer in layers.items():
+        prefix = f"[bench_layer] {shape_name} {tokens:,} tokens/rank: {name}"
+        say(f"{prefix} started ({args.warmup} warmup + {args.iters} iterations)")
+        start = time.perf_counter()
         result, y, grads = measure(layer, x, dy, args, device, timer)
         if name == "mega_moe" and "peak_memory_gib" in result:
             # The fused backend's symmetric buffers live outside PyTorch's caching
-            # allocator, so max_memory_allocated does not see them: add them.
-            held = fused.symmetric_bytes(capacity_tokens=tokens, hidden=shape.hidden)
+            # allocator, so max_memory_allocated does not see them: add them. (Imported
+            # here: it loads Triton, which only GPU runs of the fused backend need.)
+            from titan_megamoe import fused
+
+            held = fused.symmetric_bytes(capacity_tokens_per_rank=tokens, hidden=shape.hidden)
             result["symmetric_memory_gib"] = held / 2**30
             result["peak_memory_gib"] += result["symmetric_memory_gib"]
         add_rates(result, fwd_flops, peak)
@@ -298,19 +505,16 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, settings, timer, 
         elif reference is not None:
             result["rel_err_vs_stock"] = errors_vs_stock(y, grads, reference, device)
         row[name] = result
+        say(f"{prefix} done in {time.perf_counter() - start:.1f} s: {times_text(result, args.forward_only)} ms ({what})")
     row["speedup"] = speedups(row)
     return row
 
 
 def progress(row, forward_only) -> str:
     """One line per finished row."""
-    parts = []
-    for name in VARIANTS:
-        if name in row:
-            r = row[name]
-            parts.append(f"{name} {r['forward_ms']:.2f}" + ("" if forward_only else f" / {r['fwd_bwd_ms']:.2f}"))
-    kind = "fwd" if forward_only else "fwd / fwd+bwd"
-    return f"[bench_layer] {row['shape']} {row['tokens_per_rank']} tokens/rank ({kind} ms): " + ", ".join(parts)
+    parts = [f"{name} {times_text(row[name], forward_only)}" for name in VARIANTS if name in row]
+    what = "fwd" if forward_only else "fwd / fwd+bwd"
+    return f"[bench_layer] {row['shape']} {row['tokens_per_rank']:,} tokens/rank ({what} ms): " + ", ".join(parts)
 
 
 def _get(row, variant, key):
@@ -318,69 +522,79 @@ def _get(row, variant, key):
     return row.get(variant, {}).get(key)
 
 
-def _cell(value, fmt="{:.2f}") -> str:
-    return "-" if value is None else fmt.format(value)
+def _fmt(value, fmt="{:.2f}") -> str | None:
+    return None if value is None else fmt.format(value)
+
+
+def describe(meta) -> str:
+    """What ran, in one line: device, EP, dtype, mega_moe settings, iterations."""
+    backend = f"backend {meta['backend']} ({meta['backend_reason']})"
+    if meta["ep_spans_nodes"]:
+        backend += " [resolved as if the EP group spanned nodes]"
+    precision = f"precision {meta['precision']}"
+    if meta["precision_requested"] == "auto":
+        precision += " (auto: bf16, as with no torchao grouped-MM converter)"
+    fused = ""
+    if meta["backend"] == "fused":
+        fused = (f", comm_sms {meta['comm_sms']}, "
+                 f"GEMM1 {'saved' if meta['save_gemm1'] else 'recomputed'} for the backward")
+    return (
+        f"{meta['device']} x{meta['ep']} ({meta['dist_backend']}, EP={meta['ep']}), {meta['dtype']}; "
+        f"mega_moe {backend}, {precision}{fused}; "
+        f"shapes {', '.join(meta['shapes'])}; tokens/rank {', '.join(f'{t:,}' for t in meta['tokens'])}; "
+        f"{'forward only (no_grad)' if meta['forward_only'] else 'forward + backward'}, "
+        f"median of {meta['iters']} iterations after {meta['warmup']} warmup"
+    )
+
+
+def table_columns(rows, meta) -> list[tuple[str, list[str | None]]]:
+    """(header, cells) of every figure some row has; a cell is None where its row lacks it."""
+    passes = [("forward", "fwd")]
+    if not meta["forward_only"]:
+        passes += [("backward", "bwd"), ("fwd_bwd", "fwd+bwd")]
+    columns = [("shape", [r["shape"] for r in rows]), ("tokens/rank", [f"{r['tokens_per_rank']:,}" for r in rows])]
+    for key, short in passes:
+        columns += [(f"{LABELS[v]} {short} ms", [_fmt(_get(r, v, f"{key}_ms")) for r in rows]) for v in VARIANTS]
+        columns += [
+            (f"{short} speedup vs {LABELS[base]}", [_fmt(r["speedup"].get(f"{key}_vs_{base}"), "{:.2f}x") for r in rows])
+            for base in BASELINES
+        ]
+        if key == "forward":
+            rates = []
+            for r in rows:
+                rate = _fmt(_get(r, "mega_moe", "forward_tflops"), "{:.3g}")
+                pct = _get(r, "mega_moe", "forward_pct_of_peak")
+                rates.append(rate if pct is None else f"{rate} ({pct:.0f}% of peak)")
+            columns.append(("mega fwd TFLOP/s", rates))
+    columns += [(f"{LABELS[v]} peak GiB", [_fmt(_get(r, v, "peak_memory_gib")) for r in rows]) for v in VARIANTS]
+    keys = ("y",) if meta["forward_only"] else ("y", "dx", "dgate", "dw1", "dw2", "dw3")
+    for v in ("stock_fp8", "mega_moe"):
+        errors = []
+        for r in rows:
+            measured = _get(r, v, "rel_err_vs_stock")
+            errors.append(None if measured is None else ", ".join(f"{measured[k]:.1e}" for k in keys))
+        columns.append((f"{LABELS[v]} max rel err vs stock ({', '.join(keys)})", errors))
+    return [(header, cells) for header, cells in columns if any(c is not None for c in cells)]
 
 
 def markdown(rows, meta) -> str:
-    backward = not meta["forward_only"]
     peak = meta["matmul_peak_tflops"]
-    lines = [
-        f"Layer A/B on {meta['device']} x{meta['ep']} (EP={meta['ep']}), {meta['dtype']}, "
-        f"mega_moe precision {meta['precision']} backend {meta['backend']}, comm_sms {meta['comm_sms']}, "
-        f"{'GEMM1 saved' if meta['save_gemm1'] else 'GEMM1 recomputed'} in the backward; "
-        f"{'forward only (no_grad)' if meta['forward_only'] else 'forward + backward'}; "
-        f"median of {meta['iters']} iterations after {meta['warmup']} warmup"
-        + (f"; bf16 matmul peak measured {peak:.0f} TFLOP/s" if peak else ""),
-        "",
-    ]
-    header = [
-        "shape", "tokens/rank", "stock fwd ms", "stock compiled fwd ms", "mega fwd ms",
-        "fwd speedup vs stock", "fwd speedup vs compiled", "mega fwd TFLOP/s (% peak)",
-    ]
-    if backward:
-        header += [
-            "stock bwd ms", "mega bwd ms", "bwd speedup vs stock",
-            "stock fwd+bwd ms", "stock compiled fwd+bwd ms", "mega fwd+bwd ms",
-            "fwd+bwd speedup vs stock", "fwd+bwd speedup vs compiled",
-        ]
-    header += [
-        "peak GiB stock / mega",
-        "mega max rel err vs stock (y, dx, dgate, dw1, dw2, dw3)" if backward else "mega max rel err vs stock (y)",
-    ]
-    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for r in rows:
-        speedup = r["speedup"]
-        mega_rate = _cell(_get(r, "mega_moe", "forward_tflops"))
-        pct = _get(r, "mega_moe", "forward_pct_of_peak")
-        if pct is not None:
-            mega_rate += f" ({pct:.0f}%)"
-        cells = [
-            r["shape"], f"{r['tokens_per_rank']:,}",
-            *(_cell(_get(r, v, "forward_ms")) for v in VARIANTS),
-            _cell(speedup.get("forward_vs_stock"), "{:.2f}x"),
-            _cell(speedup.get("forward_vs_stock_compiled"), "{:.2f}x"),
-            mega_rate,
-        ]
-        if backward:
-            cells += [
-                _cell(_get(r, "stock", "backward_ms")), _cell(_get(r, "mega_moe", "backward_ms")),
-                _cell(speedup.get("backward_vs_stock"), "{:.2f}x"),
-                *(_cell(_get(r, v, "fwd_bwd_ms")) for v in VARIANTS),
-                _cell(speedup.get("fwd_bwd_vs_stock"), "{:.2f}x"),
-                _cell(speedup.get("fwd_bwd_vs_stock_compiled"), "{:.2f}x"),
-            ]
-        errors = _get(r, "mega_moe", "rel_err_vs_stock") or {}
-        keys = ("y", "dx", "dgate", "dw1", "dw2", "dw3") if backward else ("y",)
-        cells += [
-            f"{_cell(_get(r, 'stock', 'peak_memory_gib'))} / {_cell(_get(r, 'mega_moe', 'peak_memory_gib'))}",
-            ", ".join(_cell(errors.get(k), "{:.1e}") for k in keys),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [f"Layer A/B on {describe(meta)}" + (f"; bf16 matmul peak measured {peak:.0f} TFLOP/s" if peak else ""), ""]
+    columns = table_columns(rows, meta)
+    lines += ["| " + " | ".join(h for h, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    for i in range(len(rows)):
+        lines.append("| " + " | ".join("-" if cells[i] is None else cells[i] for _, cells in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, variants, forward_only, path: Path) -> str:
+def plot_title(meta) -> str:
+    return (
+        f"MoE layer A/B: {meta['device']} x{meta['ep']} (EP={meta['ep']}), {', '.join(meta['shapes'])}, "
+        f"mega_moe {meta['precision']} ({meta['backend']} backend)"
+    )
+
+
+def plot(rows, meta, path: Path) -> str:
     try:
         import matplotlib
 
@@ -388,12 +602,13 @@ def plot(rows, variants, forward_only, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install 'titan-megamoe[plot]')"
+    variants = meta["variants"]
     labels = [f"{r['shape']}\n{r['tokens_per_rank']:,} tok" for r in rows]
     panels = [("forward_ms", "forward")]
-    if not forward_only:
+    if not meta["forward_only"]:
         panels += [("backward_ms", "backward"), ("fwd_bwd_ms", "forward + backward")]
     panel_width = max(5, 0.8 * len(rows) * len(variants))
-    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 4.4), squeeze=False)
     width = 0.8 / len(variants)
     for ax, (key, title) in zip(axes[0], panels):
         xs = range(len(rows))
@@ -404,8 +619,13 @@ def plot(rows, variants, forward_only, path: Path) -> str:
         ax.set_ylabel("ms (median)")
         ax.set_title(title)
     axes[0][0].legend()
+    title = plot_title(meta)
+    # Wrapped to the figure: at 11 pt, 9 characters per inch leave room for wide ones.
+    fig.suptitle(textwrap.fill(title, width=int(9 * fig.get_figwidth())), fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # The title also goes into the PNG's metadata, where tools (and tests) can read it.
+    fig.savefig(path, dpi=120, metadata={"Title": title})
+    plt.close(fig)
     return f"wrote {path}"
 
 
@@ -418,57 +638,72 @@ def free(layers) -> None:
         torch.cuda.empty_cache()
 
 
-def main():
-    args = parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
+def run(args, device, note) -> None:
+    """One rank of the benchmark (under torchrun)."""
+    cuda = device.type == "cuda"
+    if not cuda:
         cpu_compat.apply()
     dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size()
     rank0 = dist.get_rank() == 0
-    if not cuda and "stock_compiled" in args.variants:
-        args.variants.remove("stock_compiled")
+
+    def say(line: str) -> None:
         if rank0:
-            print("[bench_layer] no CUDA: skipping stock_compiled (compiled as on GPUs only)", flush=True)
+            print(line, flush=True)
+
+    if note:  # started by torchrun directly, not through the launcher
+        say(note)
+    dtype = COMPUTE_DTYPE[device.type]
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "ep": world,
+        "dist_backend": dist.get_backend(), "dtype": str(dtype).removeprefix("torch."),
+        "shapes": args.shapes, "tokens": args.tokens, "variants": args.variants,
+        "precision": args.precision_name, "precision_requested": args.precision,
+        "backend": args.resolved_backend, "backend_reason": args.backend_reason,
+        "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "save_gemm1": args.save_gemm1,
+        "forward_only": args.forward_only, "iters": args.iters, "warmup": args.warmup,
+    }
+    say(f"[bench_layer] {describe(meta)}")
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
-    backend, why = resolve_backend(args.backend, device, args.precision)
-    settings = OperatorSettings(precision=args.precision, backend=backend, comm_sms=args.comm_sms,
-                                save_gemm1=args.save_gemm1)
+    settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
+                                comm_sms=args.comm_sms, save_gemm1=args.save_gemm1)
     timer = Timer(device)
-    peak = matmul_peak_tflops(device)
+    meta["matmul_peak_tflops"] = matmul_peak_tflops(device)
 
     rows = []
-    for shape_name in args.shapes.split(","):
+    for shape_name in args.shapes:
         layers = build_layers(SHAPES[shape_name], args.variants, device, dtype, ep_mesh, settings)
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            row = bench_row(layers, shape_name, tokens, args, device, dtype, settings, timer, peak)
+        for tokens in args.tokens:
+            row = bench_row(layers, shape_name, tokens, args, device, dtype, timer, meta["matmul_peak_tflops"], say)
             rows.append(row)
-            if rank0:
-                print(progress(row, args.forward_only), flush=True)
+            say(progress(row, args.forward_only))
         free(layers)
 
     if rank0:
-        meta = {
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "ep": world,
-            "dtype": str(dtype).removeprefix("torch."), "precision": args.precision,
-            "backend": f"{backend} ({why})", "comm_sms": args.comm_sms, "save_gemm1": args.save_gemm1,
-            "variants": args.variants,
-            "forward_only": args.forward_only, "iters": args.iters, "warmup": args.warmup,
-            "matmul_peak_tflops": peak,
-        }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         table = markdown(rows, meta)
         (out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         (out / "bench_layer.md").write_text(table)
         print(table)
-        print(plot(rows, args.variants, args.forward_only, out / "bench_layer.png"))
-        print(f"wrote {out / 'bench_layer.json'} and {out / 'bench_layer.md'}")
+        print(plot(rows, meta, out / "bench_layer.png"))
+        print(f"wrote {out / 'bench_layer.json'} and {out / 'bench_layer.md'}", flush=True)
     dist.destroy_process_group()
+
+
+def main():
+    under_torchrun = "LOCAL_RANK" in os.environ
+    cuda = torch.cuda.is_available()
+    if under_torchrun and cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    args, note = parse_args(device)
+    if under_torchrun:
+        run(args, device, note)
+    else:
+        if note:
+            print(note, flush=True)
+        launch(args, torch.cuda.device_count() if cuda else CPU_RANKS)
 
 
 if __name__ == "__main__":

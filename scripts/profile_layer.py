@@ -5,7 +5,7 @@
 Random routing (softmax of random logits, top-k), EP = every rank, bf16. Prints, on rank
 0, each kernel's mean time per call and the wall time per call, for every ``--comm-sms``
 value and every ``--tiles`` variant of the SM90 tile table (e.g.
-``--tiles "" "gemm2_n=128,num_stages=4"``: the table as is, then with those fields
+``--tiles "" "gemm2_n=128,gemm2_stages=4"``: the table as is, then with those fields
 changed). ``--backward`` times forward + backward (the kernels of both passes; the
 backward's own are ``dispatch_grad_gemm1``, the second ``rows_gemm_combine`` and the
 grouped weight-gradient GEMMs). Writes ``profile_layer.json``.
@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,11 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from titan_megamoe import fused
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
+from titan_megamoe.precision import NATIVE
+from titan_megamoe.settings import OperatorSettings
 
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
+TILES = ("sm90", NATIVE.name)
+"""The tile-table row that bf16 runs on H100/H200 (every GEMM in the native format)."""
+TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
 
 def inputs(shape: str, tokens: int, rank: int, world: int):
@@ -41,17 +46,51 @@ def inputs(shape: str, tokens: int, rank: int, world: int):
     return x, topk_idx, topk_w, w1, w2, w3
 
 
-def main():
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer > 0")
+    return int(text)
+
+
+def comm_sms_list(text: str) -> list[int]:
+    values = text.split(",")
+    for value in values:
+        if not value.isdigit():
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number of programs (an integer >= 0)")
+    return [int(v) for v in values]
+
+
+def tile_changes(text: str) -> dict[str, int]:
+    """``field=value,...`` over the tile table's fields ("" keeps the table as is)."""
+    changes = {}
+    for item in filter(None, text.split(",")):
+        field, sep, value = item.partition("=")
+        if field not in TILE_FIELDS:
+            raise argparse.ArgumentTypeError(f"unknown tile field {field!r}; fields: {', '.join(TILE_FIELDS)}")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected {field}=<integer > 0>")
+        changes[field] = int(value)
+    return changes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--comm-sms", default="16", help="comma-separated values to compare")
-    p.add_argument("--tiles", nargs="*", default=[""], help="tile-table variants: field=value,...")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per rank")
+    p.add_argument("--comm-sms", type=comm_sms_list, default=[16], help="comma-separated values to compare")
+    p.add_argument("--tiles", type=tile_changes, nargs="*", default=[{}],
+                   help='tile-table variants: field=value,... ("" for the table as is)')
     p.add_argument("--backward", action="store_true", help="forward + backward per call")
     p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=positive_int, default=10)
     p.add_argument("--out", default="outputs/profile_layer")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"profile_layer: the fused kernels need NVIDIA GPUs; torch {torch.__version__} sees none")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,18 +100,18 @@ def main():
     x = x.requires_grad_(args.backward)
     dy = torch.randn_like(x)
     results = {}
-    table = configs.TILE_CONFIGS["sm90"]
-    variants = [(comm, tiles) for tiles in args.tiles for comm in (int(c) for c in args.comm_sms.split(","))]
-    for comm_sms, tiles in variants:
-        changes = dict(kv.split("=") for kv in tiles.split(",") if kv)
-        configs.TILE_CONFIGS["sm90"] = dataclasses.replace(table, **{k: int(v) for k, v in changes.items()})
-        fused._BUFFERS.clear()  # buffers follow the tile table (block_m)
-        fused._GRAD_BUFFERS.clear()
-        label = f"comm_sms={comm_sms} tiles={tiles or 'table'}"
+    table = configs.TILE_CONFIGS[TILES]
+    variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
+    for comm_sms, changes in variants:
+        # Each variant's tiles key buffers of their own in the fused backend.
+        configs.TILE_CONFIGS[TILES] = dataclasses.replace(table, **changes)
+        tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
+        label = f"comm_sms={comm_sms} tiles={tiles}"
+        settings = OperatorSettings(precision="bf16", backend="fused", capacity_tokens_per_rank=args.tokens,
+                                    comm_sms=comm_sms, save_gemm1=args.save_gemm1)
 
         def call():
-            y, _ = mega_moe(x, *rest, group, score_before_experts=False, precision="bf16",
-                            backend="fused", comm_sms=comm_sms, save_gemm1=args.save_gemm1)
+            y, _ = mega_moe(x, *rest, group, score_before_experts=False, settings=settings)
             if args.backward:
                 y.backward(dy)
 
