@@ -73,7 +73,10 @@ def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool)
     blocks = padded.view((rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     if power_of_two:
-        exponent = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
+        # ceil(log2(amax / 448)) exactly (log2 in fp32 can round just above a power of two
+        # down onto it): amax / 448 = m * 2^e with m in [0.5, 1).
+        mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
         scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
     else:
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))

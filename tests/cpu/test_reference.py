@@ -158,3 +158,15 @@ def test_compiles_fullgraph():
     """The custom ops trace (fake implementations, autograd formula) without graph breaks."""
     x, idx, w = make_problem(37, "random", seed=0)
     assert_compiles_like_eager(REFERENCE, x, idx, w, *make_weights())
+
+
+def test_ue8m0_scales_round_up_exactly_at_powers_of_two():
+    """RCEIL: a block whose amax / 448 is a power of two keeps that scale; one ulp above
+    it takes the next power (fp32 log2 would round that back down)."""
+    from titan_megamoe.reference import quantize_blocks
+
+    at = torch.tensor(448.0 * 1024)
+    just_above = torch.nextafter(at, torch.tensor(float("inf")))
+    t = torch.stack([torch.stack([at, at / 2]), torch.stack([just_above, at / 2]), torch.zeros(2)])
+    _, scales = quantize_blocks(t, (1, 2), power_of_two=True)
+    assert scales.flatten().tolist() == [1024.0, 2048.0, 1.0]
