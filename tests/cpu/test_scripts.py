@@ -2,7 +2,6 @@
 CPU A/B (first line at once, progress, a table without empty columns, a titled plot),
 and the training scripts refusing at once."""
 
-import importlib.util
 import os
 import selectors
 import subprocess
@@ -15,17 +14,12 @@ import torch
 
 from titan_megamoe.precision import PRECISION_CHOICES
 
+from script_modules import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 # Every subprocess sees no GPU, so these tests take the CPU paths on any machine.
 NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 bench_layer = load_script("bench_layer")

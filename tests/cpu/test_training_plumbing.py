@@ -3,7 +3,6 @@ TOMLs in train_configs/, and the A/B scripts' log parsing and TOML rewriting."""
 
 import dataclasses
 import importlib
-import importlib.util
 import logging
 import subprocess
 import sys
@@ -23,16 +22,11 @@ import titan_megamoe.data as data
 import titan_megamoe.models as models
 from titan_megamoe.precision import PRECISION_CHOICES
 
+from script_modules import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "train_configs"
 DEBUG_MOE_VOCAB = 2048
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 ab_report = load_script("ab_report")
