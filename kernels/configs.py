@@ -42,6 +42,9 @@ class TileConfig:
     copy_cols: int
     reduce_tokens: int
     reduce_cols: int
+    reduce_warps: int
+    """The combine reduction runs one program per SM it is given (it spins on
+    COMBINE_READY): wide programs keep enough loads in flight."""
     transpose_block: int
     """Square tile of the backward's weight transposes."""
 
@@ -56,7 +59,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
-        copy_rows=16, copy_cols=512, reduce_tokens=16, reduce_cols=512, transpose_block=64,
+        copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests).
     ("interpret", "native"): TileConfig(
@@ -65,7 +68,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
         dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
-        copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, transpose_block=16,
+        copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

@@ -94,7 +94,7 @@ class ForwardBuffers:
         self.local_rows = ints(shape.local_experts)
         self.src_offset = ints(shape.ep * shape.local_experts)
         self.src_rows = ints(shape.ep * shape.local_experts)
-        self.expert_edges = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
+        self.expert_edges = torch.arange(num_experts + 1, dtype=torch.int32, device=device)
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.timeout_s = 0.0
         """The deadline of the last call (for the failure message)."""
@@ -210,15 +210,17 @@ def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, timeout_s: float, nee
     Returns the rows' send order (flat slot ids), each expert's first position in it, and
     the rows received per local expert (int64)."""
     shape, flags = buffers.shape, buffers.flag_layout
-    # int64 ids stay int64: narrowing first could wrap a bad id into the valid range.
-    flat = topk_idx.reshape(-1).long()
-    sorted_experts, order = torch.sort(flat, stable=True)
+    # Sorted as int32 (half the radix passes of int64), clamped first so that no bad id
+    # can wrap into the valid range: ids below 0 sort as -1, ids from E on as E.
+    flat = topk_idx.reshape(-1)
+    keys = flat.clamp(-1, shape.ep * shape.local_experts).to(torch.int32)
+    sorted_experts, order = torch.sort(keys, stable=True)
     send_start = torch.searchsorted(sorted_experts, buffers.expert_edges, out_int32=True)
     tokens_per_expert = torch.empty(shape.local_experts, dtype=torch.int64, device=topk_idx.device)
     buffers.calls += 1
     buffers.timeout_s = timeout_s
     layout_kernel[(1,)](
-        sorted_experts, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
+        sorted_experts, order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
         buffers.dest_start, buffers.item_start, buffers.local_base, buffers.local_rows,
         buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
         shape.local_experts, int(needs_input), int(timeout_s * 1e9),
@@ -303,5 +305,6 @@ def reduce(buffers: ForwardBuffers, topk_w, x, out, dot_out, num_tokens: int, to
         num_tokens, shape.rank, shape.ep,
         HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=pad(top_k), SCALE_BY_SCORE=scale_by_score,
         SCORE_DOT=score_dot, COMBINE_READY=buffers.flag_layout.combine_ready,
-        EP_PAD=pad(shape.ep), BLOCK_T=tiles.reduce_tokens, BLOCK_H=tiles.reduce_cols, num_warps=4,
+        EP_PAD=pad(shape.ep), BLOCK_T=tiles.reduce_tokens, BLOCK_H=tiles.reduce_cols,
+        num_warps=tiles.reduce_warps,
     )

@@ -1,10 +1,11 @@
 """Routing layout: where every routed row goes, computed on the device, no host sync.
 
-Input: this rank's expert ids sorted (``sorted_experts``, ``num_rows`` of them) and
+Input: this rank's expert ids (``ids``, ``num_rows`` of them), sorted with ids outside
+``[0, E)`` clamped to -1 or E (``sorted_experts``, and the sort's ``order``),
 ``send_start[e]`` .. ``send_start[e+1]``, its rows for expert ``e`` (``searchsorted`` of
 the sorted ids), and whether this rank needs its expert inputs sent. An id outside
 ``[0, E)`` leaves rows outside ``send_start[0] .. send_start[E]``: the kernel then fails
-the call on every rank (``sync``) before publishing anything. Otherwise it exchanges the
+the call on every rank (``sync``), naming the id, before publishing anything. Otherwise it exchanges the
 counts with every peer (see ``sync``), so each rank holds the full matrix
 ``COUNTS[source, expert]`` and derives the same receive layout for every owner:
 
@@ -46,6 +47,8 @@ from titan_megamoe.kernels.sync import (
 @triton.jit
 def layout_kernel(
     sorted_experts,
+    order,
+    ids,
     num_rows,
     send_start,
     flags,
@@ -82,7 +85,7 @@ def layout_kernel(
     if (below != 0) | (in_range != num_rows):
         # Report the first bad row in sorted order: a negative id, else the largest id.
         at = tl.where(below != 0, 0, num_rows - 1)
-        fail(BAD_EXPERT_ID, at, tl.load(sorted_experts + at).to(tl.int64), num_experts,
+        fail(BAD_EXPERT_ID, at, tl.load(ids + tl.load(order + at)).to(tl.int64), num_experts,
              flags, flag_ptrs, state, rank, ep)
 
     # My counts, [owner r, local expert le] with global expert e = r * E_local + le.

@@ -194,13 +194,19 @@ def fail(code, index, seen, expected, flags, flag_ptrs, state, rank, ep):
         tl.store(status + EXPECTED, expected)
         tl.store(status + CALL, tl.load(state + EPOCH))
         tl.atomic_xchg(status + CODE, word, sem="release", scope="sys")
+    landed = zero
     for peer in range(ep):
         # The first failure's code stays: later ones only follow from it.
-        tl.atomic_cas(peer_pointer(flags, flag_ptrs, peer, rank) + ABORT + rank, zero, word, sem="release", scope="sys")
+        landed += tl.atomic_cas(peer_pointer(flags, flag_ptrs, peer, rank) + ABORT + rank, zero, word,
+                                sem="release", scope="sys")
     if _TRAP:
-        # The record and the ABORT words must land before the kernel dies: a trap drops
-        # writes still in flight (seen: an empty status record after a trap).
-        tl.inline_asm_elementwise("fence.sc.sys;\n\ttrap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        # Everything written above must land before the kernel dies: a trap drops writes
+        # still in flight. The fence drains the stores (seen: an empty status record
+        # without it); the trap is predicated on the CASes' returned values, so it waits
+        # for their round trips (seen: peers' ABORT words never set without it).
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; mov.u32 $0, 0; setp.ne.s64 p, $1, 0x7fffffffffffffff; fence.sc.sys; @p trap; }",
+            "=r,l", [landed], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

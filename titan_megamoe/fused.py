@@ -11,15 +11,17 @@ op's inputs (it re-derives the routing layout on the device), plus, with
 recomputing GEMM1.
 
 A failure on the device (a peer past the deadline, a bad expert id: ``kernels.sync``)
-stops every rank's kernels; this module raises its message at every later call and
-prints it when the process exits, since the error PyTorch raises for the stopped
-kernels names nothing.
+stops every rank's kernels; this module prints its message on stderr as soon as it is
+recorded and raises it at every later call, since the error PyTorch raises for the
+stopped kernels names nothing.
 """
 
 import atexit
 import dataclasses
 import logging
 import sys
+import threading
+import time
 
 import torch
 
@@ -94,7 +96,7 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"{rows * cols * buffers.h.element_size() / 2**30:.2f} GiB per layer"
     )
     _BUFFERS[key] = buffers
-    _report_failures_at_exit()
+    _start_reporting()
     return buffers
 
 
@@ -122,17 +124,42 @@ def prepare(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> N
 
 def failures() -> list[str]:
     """Messages of the device-side failures recorded so far (host memory only)."""
-    return [message for b in _BUFFERS.values() if (message := b.failure()) is not None]
+    return [message for b in list(_BUFFERS.values()) if (message := b.failure()) is not None]
 
 
+REPORT_INTERVAL_S = 0.05
+"""How often the reporting thread reads the failure records."""
+
+_reported: set[str] = set()
+_report_lock = threading.Lock()
 _reporting = False
 
 
-def _report_failures_at_exit() -> None:
+def _report_new_failures() -> None:
+    with _report_lock:
+        for message in failures():
+            if message not in _reported:
+                _reported.add(message)
+                print(message, file=sys.stderr, flush=True)
+
+
+def _start_reporting() -> None:
+    """Print each device-side failure on stderr as soon as it is recorded (a daemon thread
+    reads the records every ``REPORT_INTERVAL_S``), and at exit. Raising at the next call
+    is not enough: another thread that meets the lost CUDA context first, such as NCCL's
+    watchdog, aborts the process, and the error PyTorch reports names nothing."""
     global _reporting
-    if not _reporting:
-        _reporting = True
-        atexit.register(lambda: [print(m, file=sys.stderr, flush=True) for m in failures()])
+    if _reporting:
+        return
+    _reporting = True
+    atexit.register(_report_new_failures)
+
+    def poll() -> None:
+        while True:
+            time.sleep(REPORT_INTERVAL_S)
+            _report_new_failures()
+
+    threading.Thread(target=poll, name="mega_moe-failure-report", daemon=True).start()
 
 
 def symmetric_bytes(**shape_fields) -> int:

@@ -28,6 +28,15 @@ class VirtualGroup:
     """``ep`` ranks of one EP group inside this process, on ``device``."""
 
     def __init__(self, ep: int, device: torch.device, name: str = "virtual"):
+        if device.type == "cuda":
+            # Kernels of streams that share one of the GPU's hardware queues run in launch
+            # order: a rank's kernel queued behind a peer's spinning kernel would never start.
+            connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+            if connections < ep + 1:
+                raise ValueError(
+                    f"{ep} virtual ranks need a hardware queue per stream: set "
+                    f"CUDA_DEVICE_MAX_CONNECTIONS >= {ep + 1} before CUDA starts (it is {connections})"
+                )
         self.ep, self.device, self.name = ep, device, name
         self._sets: list[list[torch.Tensor]] = []
         """Every allocation made so far: one copy per rank, in allocation order."""

@@ -347,8 +347,10 @@ def test_gpu_two_ranks(name):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_matches_stock_torchtitan(precision, score_before, monkeypatch):
     """The same layer through TorchTitan's MoE (with torchao's converter for fp8, as
-    ``quantize.grouped_mm.float8`` applies it) and through the stock backend: the same
-    output and gradients."""
+    ``quantize.grouped_mm.float8`` applies it, and its expert function compiled as
+    ``apply_compile`` does) and through the stock backend: the same output and
+    gradients."""
+    from torchtitan.models.moe import moe as moe_module
     from torchtitan.models.moe import utils as moe_utils
     from torchtitan.models.moe.moe import MoE, MoEArgs
 
@@ -369,6 +371,8 @@ def test_gpu_matches_stock_torchtitan(precision, score_before, monkeypatch):
 
         quantize_(moe, MoETrainingConfig(), filter_fn=lambda module, fqn: fqn == "experts")
         monkeypatch.setattr(moe_utils, "TOKEN_GROUP_ALIGN_SIZE_M", 16)  # as the converter sets it
+        compiled = torch.compile(moe_module._run_experts_grouped_mm, fullgraph=True)
+        monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", compiled)
     x = torch.randn(256, HIDDEN, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
 

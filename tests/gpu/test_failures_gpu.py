@@ -9,7 +9,8 @@ real GPUs (Qwen3-30B-A3B expert shapes):
 - what the protocol cannot serve is refused: a CUDA-graph capture, a second stream.
 
 A rank whose kernels stopped has lost its CUDA context: such ranks report through
-``fused.failures()`` and leave with ``os._exit`` (no collective can run any more).
+``fused.failures()`` (which the fused backend also prints as soon as it is recorded)
+and leave with ``os._exit`` (no collective can run any more).
 """
 
 import os
@@ -59,6 +60,9 @@ def _stopped_call(rank, world, spoil, expected):
         fused.moe_forward(*problem, group, False, settings)
         torch.cuda.synchronize()
         dist.barrier()
+        # NCCL's watchdog aborts a process whose CUDA context is lost while it still
+        # tracks a collective: let it retire the barrier before the call that stops.
+        time.sleep(1.0)
         problem = spoil(rank, problem)
         outcome = "returned a result"
         try:
@@ -70,6 +74,8 @@ def _stopped_call(rank, world, spoil, expected):
         assert outcome.startswith("raised"), outcome
         (message,) = fused.failures()
         assert expected[rank] in message and "the process must restart" in message, message
+        time.sleep(3 * fused.REPORT_INTERVAL_S)
+        assert message in fused._reported, "the failure was not printed"
         with pytest.raises(RuntimeError, match="the process must restart"):
             fused.moe_forward(*problem, group, False, settings)
     except BaseException:

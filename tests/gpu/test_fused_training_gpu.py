@@ -1,8 +1,12 @@
 """The fused backend inside TorchTitan's own parallelism on 2 GPUs: qwen3
 ``debugmodel_moe`` (2 layers) converted and parallelized by ``parallelize_qwen3`` with
 FSDP2 + EP 2 (DTensor expert weights, bf16 mixed precision), two microbatches accumulated
-per step, full and selective activation checkpointing. Every parameter's gradient and the
-loss must match the same model on the reference backend."""
+per step, full and selective activation checkpointing. The truth is the same model in
+fp32 on the reference backend; against it, the losses and every parameter's gradient
+(expert weights: every expert's own) on the fused backend must be as close as the bf16
+model on the reference backend is, within a factor of two (bf16 rounds the whole model,
+not only the experts: a norm weight's gradient, summed over every token, is off by
+~2e-2 in bf16 on either backend)."""
 
 import dataclasses
 
@@ -17,14 +21,16 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 
 BATCH, SEQ, MICROBATCHES = 2, 256, 2
 TOLERANCE = 1e-2
-"""bf16 on both sides, different summation orders."""
+"""Below this, an error against fp32 passes whatever the bf16 reference's."""
+RUNS = {"fp32": ("reference", "float32"), "reference": ("reference", "bfloat16"), "fused": ("fused", "bfloat16")}
+"""Run name -> (backend, parameter dtype)."""
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _model(backend: str, ac_mode: str, state: dict | None):
+def _model(backend: str, dtype: str, ac_mode: str, state: dict | None):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3, qwen3_args
@@ -35,7 +41,7 @@ def _model(backend: str, ac_mode: str, state: dict | None):
         "--job.custom_config_module=titan_megamoe.config",
         "--model.name=qwen3", "--model.flavor=debugmodel_moe", "--model.converters", "mega_moe",
         f"--training.seq_len={SEQ}", f"--training.local_batch_size={BATCH}",
-        "--training.mixed_precision_param=bfloat16",
+        f"--training.mixed_precision_param={dtype}",
         f"--activation_checkpoint.mode={ac_mode}", "--activation_checkpoint.selective_ac_option=op",
         "--parallelism.expert_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
         f"--mega_moe.backend={backend}", "--mega_moe.save_gemm1",
@@ -70,26 +76,38 @@ def _train_step(rank, model):
     return torch.stack(losses)
 
 
+def _errors(got: dict, truth: dict) -> dict:
+    """Relative error of each gradient; for expert weights ``[E, ...]``, the worst expert's."""
+    from titan_megamoe.reference import relative_error
+
+    return {name: max(relative_error(g, t) for g, t in zip(got[name], truth[name])) if "experts" in name
+            else relative_error(got[name], truth[name]) for name in truth}
+
+
 def _fused_matches_reference(rank, world, ac_mode):
     from titan_megamoe.reference import relative_error
 
     results = {}
     state = None
-    for backend in ("reference", "fused"):
-        model = _model(backend, ac_mode, state)
+    for run, (backend, dtype) in RUNS.items():
+        model = _model(backend, dtype, ac_mode, state)
         if state is None:
             state = {k: full(v).clone() for k, v in model.state_dict().items()}
         losses = _train_step(rank, model)
         grads = {n: full(p.grad).float() for n, p in model.named_parameters()}
-        results[backend] = (losses, grads)
-    (ref_losses, ref_grads), (losses, grads) = results["reference"], results["fused"]
-    assert relative_error(losses, ref_losses) < TOLERANCE, (losses, ref_losses)
-    worst = max((relative_error(grads[n], g), n) for n, g in ref_grads.items())
-    print(f"rank {rank} AC {ac_mode}: losses {losses.tolist()} vs {ref_losses.tolist()}; "
-          f"{len(grads)} gradients, worst {worst[0]:.1e} ({worst[1]})", flush=True)
-    for name, expected in ref_grads.items():
+        results[run] = (losses.float(), grads)
+    (true_losses, truth), (ref_losses, ref_grads), (losses, grads) = (results[r] for r in RUNS)
+    for name, expected in truth.items():
         assert expected.abs().max() > 0, f"{name} got no gradient"
-        assert relative_error(grads[name], expected) < TOLERANCE, name
+    ref_errors, errors = _errors(ref_grads, truth), _errors(grads, truth)
+    worst = max((errors[n] / max(TOLERANCE, 2 * ref_errors[n]), n) for n in truth)
+    print(f"rank {rank} AC {ac_mode}: losses fused {losses.tolist()}, bf16 reference {ref_losses.tolist()}, "
+          f"fp32 {true_losses.tolist()}; {len(grads)} gradients, worst against its bound {worst[0]:.2f} "
+          f"({worst[1]}: fused {errors[worst[1]]:.1e}, bf16 reference {ref_errors[worst[1]]:.1e})", flush=True)
+    loss_bound = max(TOLERANCE, 2 * relative_error(ref_losses, true_losses))
+    assert relative_error(losses, true_losses) <= loss_bound, (losses, ref_losses, true_losses)
+    for name in truth:
+        assert errors[name] <= max(TOLERANCE, 2 * ref_errors[name]), (name, errors[name], ref_errors[name])
 
 
 @pytest.mark.parametrize("ac_mode", ["full", "selective"])
