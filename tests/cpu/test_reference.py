@@ -170,3 +170,37 @@ def test_ue8m0_scales_round_up_exactly_at_powers_of_two():
     t = torch.stack([torch.stack([at, at / 2]), torch.stack([just_above, at / 2]), torch.zeros(2)])
     _, scales = quantize_blocks(t, (1, 2), power_of_two=True)
     assert scales.flatten().tolist() == [1024.0, 2048.0, 1.0]
+
+
+def test_fp8_rows_cross_the_link_quantized_and_weight_gradients_requantize_them():
+    """One expert, top-1, unit scores: the reference's ``y`` and ``dw2`` are exactly the
+    spec written out (rows of x and dy quantized once, 1 x 128 along H, before the link;
+    dw2's operands requantized along the tokens from the dy rows that arrived), and not
+    what quantizing dw2's operands from the bf16 dy would give."""
+    from titan_megamoe import reference
+    from titan_megamoe.precision import get_precision
+
+    g = torch.Generator().manual_seed(11)
+    tokens, hidden, inter = 300, 256, 256
+    x, dy = (torch.randn(tokens, hidden, generator=g).bfloat16() for _ in range(2))
+    w1, w3 = (torch.randn(1, inter, hidden, generator=g).bfloat16() / 16 for _ in range(2))
+    w2 = torch.randn(1, hidden, inter, generator=g).bfloat16() / 16
+    idx = torch.zeros(tokens, 1, dtype=torch.int64)
+    ones = torch.ones(tokens, 1)
+    fp8 = get_precision("fp8")
+
+    def q(t, is_weight=False):
+        return quantize_operand(t, FP8_BLOCK, is_weight)
+
+    x_arrived, dy_arrived = q(x), q(dy)
+    a, b = x_arrived @ q(w1[0], True).T, x_arrived @ q(w3[0], True).T
+    h = (torch.nn.functional.silu(a) * b).bfloat16()
+    y_spec = (q(h) @ q(w2[0], True).T).bfloat16()
+    dw2_spec = q(dy_arrived.T.contiguous()) @ q(h.T.contiguous()).T
+    dw2_from_bf16 = q(dy.T.contiguous()) @ q(h.T.contiguous()).T
+
+    y, _ = reference.moe_forward(x, idx, ones, w1, w2, w3, None, False, fp8)
+    _, _, _, dw2, _ = reference.moe_backward(dy, x, idx, ones, w1, w2, w3, None, False, fp8)
+    assert torch.equal(y, y_spec)
+    assert torch.equal(dw2[0], dw2_spec.bfloat16())
+    assert rel_err(dw2_from_bf16, dw2_spec) > 1e-2  # the two choices are told apart

@@ -296,3 +296,14 @@ def test_run_train_rejects_a_bad_ngpu():
     done = subprocess.run([str(REPO / "scripts" / "run_train.sh")], env={**NO_GPU_ENV, "NGPU": "two"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "NGPU=two is not valid" in done.stderr, done.stderr
+
+
+def test_wgrad_source_error_tells_the_two_sources_apart():
+    """fp8 (fp32 scales): requantizing the arrived rows costs accuracy against fp32;
+    mxfp8 (power-of-two scales): it changes nothing measurable."""
+    wgrad_source_error = load_script("wgrad_source_error")
+    fp8 = wgrad_source_error.errors(256, 256, 256, "fp8", seed=0)
+    mxfp8 = wgrad_source_error.errors(256, 256, 256, "mxfp8", seed=0)
+    for name in ("dw1", "dw2", "dw3"):
+        assert 0.02 < fp8["from bf16"][name] < fp8["requantized"][name] < 0.08, (name, fp8)
+        assert abs(mxfp8["requantized"][name] - mxfp8["from bf16"][name]) < 1e-3, (name, mxfp8)
