@@ -126,14 +126,15 @@ def fused_backward(
         UPCAST_DOT=INTERPRET, num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
-        dab, w13t, buffers.recv_meta, buffers.combine, buffers.combine_ptrs, score_parts,
+        dab, None, w13t, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs, score_parts,
         grad.score_grad, grad.score_grad_ptrs, buffers.flags, buffers.flag_ptrs, buffers.state,
         buffers.local_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts,
         shape.rows_per_rank,
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, num_warps=tiles.dgrad_warps, num_stages=tiles.dgrad_stages,
+        UPCAST_DOT=INTERPRET, SCALE_K=0, W_SCALE_N=0, num_warps=tiles.dgrad_warps,
+        num_stages=tiles.dgrad_stages,
     )
 
     bm = tiles.block_m

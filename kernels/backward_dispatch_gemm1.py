@@ -52,11 +52,11 @@ def dispatch_grad_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, dy, topk_w, order, send_start, dest_start, item_start,
-                recv, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
+                item, x, None, dy, topk_w, order, send_start, dest_start, item_start,
+                recv, None, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
                 meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, 0, False,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -79,7 +79,8 @@ def dispatch_grad_gemm1_kernel(
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
-            g, u = gate_up(recv, w1, w3, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+            g, u = gate_up(recv, None, w1, None, w3, None, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N,
+                           BLOCK_K, UPCAST_DOT, 0, 0)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)

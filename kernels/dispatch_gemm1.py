@@ -21,6 +21,7 @@ import triton.language as tl
 
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.quantize import quantize_tile
 from titan_megamoe.kernels.sync import (
     CHUNK_READY_TIMEOUT,
     EPOCH,
@@ -35,18 +36,24 @@ from titan_megamoe.kernels.sync import (
 
 @triton.jit
 def dispatch_item(
-    item, x, dy, topk_w, order, send_start, dest_start, item_start,
-    recv, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs,
-    flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+    item, x, x_scales, dy, topk_w, order, send_start, dest_start, item_start,
+    recv, recv_scales, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
+    meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
     WITH_GRAD: tl.constexpr, NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr,
     MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, ROW_SCALE_K: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
 ):
     """Push one item (<= BLOCK_M of my rows for one expert) to the expert's owner: the
     expert input rows and their origins, plus, ``WITH_GRAD`` (the backward), the output
     gradient rows ``dy`` and the scores, and then only the inputs the owner's
-    NEEDS_INPUT flag asks for; then release the item's CHUNK_READY."""
+    NEEDS_INPUT flag asks for; then release the item's CHUNK_READY.
+
+    ``ROW_SCALE_K`` > 0: expert inputs cross quantized (e4m3, one scale per ROW_SCALE_K
+    columns into ``recv_scales``). Without ``SCORE_BEFORE_EXPERTS`` they were quantized
+    once per token before the kernel (``x`` e4m3 with ``x_scales``) and are copied as they
+    are; with it each (token, slot) row differs, so it is quantized here, after scaling."""
     lane = tl.arange(0, EXPERT_PAD)
     starts = tl.load(item_start + lane, mask=lane < ep * local_experts, other=2147483647)
     o = tl.sum((starts <= item).to(tl.int32)) - 1
@@ -58,6 +65,8 @@ def dispatch_item(
     rows = tl.minimum(tl.load(send_start + expert + 1) - first, BLOCK_M)
     dest0 = tl.load(dest_start + expert) + chunk * BLOCK_M
     recv = peer_pointer(recv, recv_ptrs, owner, rank)
+    if ROW_SCALE_K > 0:
+        recv_scales = peer_pointer(recv_scales, recv_ptrs, owner, rank)
     meta = peer_pointer(recv_meta, meta_ptrs, owner, rank)
     send_input = True
     if WITH_GRAD:
@@ -81,10 +90,22 @@ def dispatch_item(
             src = token[:, None] * HIDDEN + c[None, :]
             dst = dest[:, None] * HIDDEN + c[None, :]
             if send_input:
-                v = tl.load(x + src, mask=mask)
+                v = tl.load(x + src, mask=mask, other=0.0)
                 if SCORE_BEFORE_EXPERTS:
                     v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
-                tl.store(recv + dst, v, mask=mask)
+                if ROW_SCALE_K == 0:
+                    tl.store(recv + dst, v, mask=mask)
+                else:
+                    SCALE_COLS: tl.constexpr = tl.cdiv(HIDDEN, ROW_SCALE_K)
+                    kb = c0 // ROW_SCALE_K + tl.arange(0, COPY_COLS // ROW_SCALE_K)
+                    kb_mask = live[:, None] & (kb[None, :] < SCALE_COLS)
+                    if SCORE_BEFORE_EXPERTS:
+                        q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
+                    else:
+                        q = v
+                        scales = tl.load(x_scales + token[:, None] * SCALE_COLS + kb[None, :], mask=kb_mask)
+                    tl.store(recv + dst, q, mask=mask)
+                    tl.store(recv_scales + dest[:, None] * SCALE_COLS + kb[None, :], scales, mask=kb_mask)
             if WITH_GRAD:
                 tl.store(recv_grad + dst, tl.load(dy + src, mask=mask), mask=mask)
     peer_flags = peer_pointer(flags, flag_ptrs, owner, rank)
@@ -116,8 +137,9 @@ def wait_rows(
 
 @triton.jit
 def dispatch_gemm1_kernel(
-    x, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
-    recv, recv_meta, flags, state, local_base, src_offset, src_rows, w1, w3, h, preact,
+    x, x_scales, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
+    recv, recv_scales, recv_meta, flags, state, local_base, src_offset, src_rows,
+    w1, w1_scales, w3, w3_scales, h, h_scales, preact,
     rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
@@ -125,19 +147,27 @@ def dispatch_gemm1_kernel(
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
 ):
     """``SAVE_PREACT``: also store the pre-activations ``[gate | up]`` into ``preact``
-    ``[rows, 2 * INTER]`` for the backward."""
+    ``[rows, 2 * INTER]`` for the backward.
+
+    ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
+    ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``
+    block, and ``h`` is stored quantized for GEMM2, one scale per SCALE_K columns into
+    ``h_scales``, after rounding to the activation dtype ``ACT_DTYPE`` as the reference
+    rounds it."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x, topk_w, order, send_start, dest_start, item_start,
-                recv, recv, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs, meta_ptrs,
-                flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+                item, x, x_scales, x, topk_w, order, send_start, dest_start, item_start,
+                recv, recv_scales, recv, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs,
+                meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, POWER_OF_TWO,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -156,10 +186,19 @@ def dispatch_gemm1_kernel(
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-        g, u = gate_up(recv, w1, w3, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N)
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
-        tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+        if SCALE_K == 0:
+            tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+        else:
+            tl.static_assert(BLOCK_N % SCALE_K == 0, "a GEMM1 tile must hold whole scale blocks of h")
+            H_SCALE_COLS: tl.constexpr = tl.cdiv(INTER, SCALE_K)
+            hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K, POWER_OF_TWO)
+            tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
+            kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
+            tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs, mask=kb[None, :] < H_SCALE_COLS)
         if SAVE_PREACT:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
@@ -169,13 +208,13 @@ def dispatch_gemm1_kernel(
 
 @triton.jit
 def gate_up(
-    recv, w1, w3, le, rows, cols,
+    recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
 ):
     """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``, in one
-    mainloop (both weights share each tile of ``x``)."""
+    mainloop (both weights share each tile of ``x``); scaled when ``SCALE_K`` > 0."""
     return tile_gemm(
-        recv, None, rows, w1, None, w3, None, le, cols, INTER, HIDDEN,
-        BLOCK_M, BLOCK_N, BLOCK_K, True, 0, 0, UPCAST_DOT,
+        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, cols, INTER, HIDDEN,
+        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, UPCAST_DOT,
     )

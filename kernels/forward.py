@@ -12,13 +12,19 @@ from typing import Callable
 
 import torch
 import triton
+import triton.language as tl
 
 from titan_megamoe.kernels import sync
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
 from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
 from titan_megamoe.kernels.layout import layout_kernel
+from titan_megamoe.kernels.quantize import quantize_rows
 from titan_megamoe.kernels.sync import STATE_WORDS, STATUS_WORDS, FlagLayout
+from titan_megamoe.precision import NATIVE, Format
+
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+"""Activation dtypes as the kernels name them (the rounding of ``h`` before quantizing)."""
 
 SymmetricAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """``(shape, dtype) -> (this rank's zeroed buffer, int64 tensor of every rank's address)``."""
@@ -38,9 +44,15 @@ class ForwardShape:
     inter: int
     dtype: torch.dtype
     """The activations' dtype (the combine buffer's and, unquantized, the receive buffer's)."""
-    row_scale_k: int = 0
-    """0: rows cross the link in ``dtype``. Otherwise they cross it as e4m3 with one fp32
-    scale per ``row_scale_k`` elements, and the receive buffer carries the scales."""
+    row_format: Format = NATIVE
+    """Format of the forward's GEMM operands: native, the rows cross the link in ``dtype``;
+    quantized, the expert input rows cross it (and ``h`` is stored) as e4m3 with one scale
+    per ``row_scale_k`` elements, and the receive buffer carries the scales."""
+
+    @property
+    def row_scale_k(self) -> int:
+        """Elements per scale along the rows (0: unquantized)."""
+        return self.row_format.activation_block[1] if self.row_format.quantized else 0
 
     @property
     def rows_per_rank(self) -> int:
@@ -83,7 +95,13 @@ class ForwardBuffers:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         num_experts = shape.ep * shape.local_experts
-        self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=device)
+        if shape.row_scale_k:
+            self.h = torch.empty(rows, shape.inter, dtype=torch.float8_e4m3fn, device=device)
+            h_scale_cols = math.ceil(shape.inter / shape.row_scale_k)
+            self.h_scales = torch.empty(rows, h_scale_cols, dtype=torch.float32, device=device)
+        else:
+            self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=device)
+            self.h_scales = None
         pinned = device.type == "cuda"
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
@@ -110,7 +128,8 @@ class ForwardBuffers:
 
     @property
     def local_bytes(self) -> int:
-        return self.h.numel() * self.h.element_size()
+        held = (self.h, self.h_scales)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def failure(self) -> str | None:
         """What made a call on these buffers fail on the device, or None (reads host memory
@@ -249,12 +268,16 @@ def fused_forward(
     num_programs: int,
     timeout_s: float,
     preact: torch.Tensor | None = None,
+    weight_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``y [T, H]`` and the rows received per local expert (int64), see ``reference``.
 
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
-    receives GEMM1's pre-activations for the backward.
+    receives GEMM1's pre-activations for the backward. With a quantized
+    ``buffers.shape.row_format``, ``w1, w2, w3`` are e4m3 and ``weight_scales`` their
+    block scales (``[experts, cdiv(N, block), cdiv(K, block)]``, the format's weight
+    blocks), and ``x`` is quantized here, once per token, before the kernels send it.
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -263,28 +286,36 @@ def fused_forward(
     order, send_start, tokens_per_expert = route(topk_idx, buffers, timeout_s)
     buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
 
+    fmt, scale_k = shape.row_format, shape.row_scale_k
+    w1_scales, w2_scales, w3_scales = weight_scales if scale_k else (None, None, None)
+    sent, sent_scales = x, None
+    if scale_k and not score_before_experts:
+        sent, sent_scales = quantize_rows(x, scale_k, fmt.power_of_two)
     dispatch_gemm1_kernel[(num_programs,)](
-        x, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
-        buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv,
+        sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
+        buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
         buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.src_offset,
-        buffers.src_rows, w1, w3, buffers.h, buffers.h if preact is None else preact,
+        buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
+        buffers.h if preact is None else preact,
         shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_PREACT=preact is not None,
         COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
-        COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET,
+        COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
+        W_SCALE_N=fmt.weight_block[0], POWER_OF_TWO=fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
-        buffers.h, w2, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
+        buffers.h, buffers.h_scales, w2, w2_scales, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
         buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
         buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
         shape.local_experts, shape.rows_per_rank,
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
+        SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )
     y = torch.empty_like(x)

@@ -43,14 +43,15 @@ def _peer_offset(ptrs, source, rank, live, ELEM_BYTES: tl.constexpr, ALIGN: tl.c
 
 @triton.jit
 def rows_gemm_combine_kernel(
-    a, w, recv_meta, combine, combine_ptrs, score_parts, score_grad,
+    a, a_scales, w, w_scales, recv_meta, combine, combine_ptrs, score_parts, score_grad,
     score_grad_ptrs, flags, flag_ptrs, state, local_base, local_rows,
     rank, ep, local_experts, rows_per_rank,
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
 ):
-    """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``."""
+    """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
+    e4m3, scaled as ``tile_gemm`` describes."""
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
     out_dtype = combine.dtype.element_ty
@@ -67,8 +68,8 @@ def rows_gemm_combine_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
-            a, None, rows, w, None, None, None, le, cols, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, 0, 0, UPCAST_DOT,
+            a, a_scales, rows, w, w_scales, None, None, le, cols, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, UPCAST_DOT,
         )
 
         live = rows < end

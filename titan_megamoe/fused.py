@@ -29,6 +29,7 @@ from titan_megamoe import fused_support, symm
 from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
 from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
+from titan_megamoe.reference import quantize_blocks
 from titan_megamoe.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
         hidden=x.shape[1],
         inter=w1.shape[1],
         dtype=x.dtype,
+        row_format=settings.precision.forward,
     )
 
 
@@ -93,7 +95,7 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"mega_moe fused: buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
         f"{buffers.local_bytes / 2**30:.2f} GiB local; saving GEMM1's pre-activations would keep "
-        f"{rows * cols * buffers.h.element_size() / 2**30:.2f} GiB per layer"
+        f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer"
     )
     _BUFFERS[key] = buffers
     _start_reporting()
@@ -199,6 +201,11 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
     buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
     preact = x.new_empty(saved_shape(x, topk_idx, w1, group, settings))
     comm_programs, num_programs = _programs(x, group, settings.comm_sms)
+    fmt, weight_scales = settings.precision.forward, None
+    if fmt.quantized:
+        # Every call, for now: the cache per FSDP all-gather is not built yet.
+        (w1, s1), (w2, s2), (w3, s3) = (quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in (w1, w2, w3))
+        weight_scales = (s1, s2, s3)
     y, tokens_per_expert = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         buffers,
@@ -207,6 +214,7 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         num_programs,
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
+        weight_scales=weight_scales,
     )
     return y, tokens_per_expert, preact
 
@@ -215,6 +223,11 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, group
                  score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` as the forward returned it."""
     _check_runs(x, settings)
+    if settings.precision.quantized:
+        raise NotImplementedError(
+            f"mega_moe fused backend: the backward of precision {settings.precision.name!r} is not "
+            "built yet (its forward is); the fused backward runs bf16 only"
+        )
     buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
     comm_programs, num_programs = _programs(x, group, settings.comm_sms)
     return fused_backward(

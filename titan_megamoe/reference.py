@@ -75,19 +75,21 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool):
-    """``t [rows, cols]`` as e4m3 values and one fp32 scale per ``block`` (edge blocks may
-    be partial): ``t ~= q * scale``. The scale is ``amax / 448``, or with ``power_of_two``
-    the power of two rounded up from it (UE8M0, RCEIL); an all-zero block gets scale 1.
+    """``t [..., rows, cols]`` as e4m3 values and one fp32 scale per ``block`` of its last
+    two dimensions (edge blocks may be partial): ``t ~= q * scale``. The scale is
+    ``amax / 448``, or with ``power_of_two`` the power of two rounded up from it (UE8M0,
+    RCEIL); an all-zero block gets scale 1.
 
-    Returns ``(q [rows, cols] float8_e4m3fn, scales [ceil(rows / br), ceil(cols / bc)] fp32)``:
-    what the kernels' row-quantize helper stores.
+    Returns ``(q [..., rows, cols] float8_e4m3fn, scales [..., ceil(rows / br), ceil(cols / bc)]
+    fp32)``: what the kernels' row-quantize helper stores (and, for ``[experts, N, K]``
+    weights, the block scales the GEMMs read).
     """
-    rows, cols = t.shape
+    *lead, rows, cols = t.shape
     br, bc = block
     pad_r, pad_c = (-rows) % br, (-cols) % bc
     padded = F.pad(t.float(), (0, pad_c, 0, pad_r))
-    blocks = padded.view((rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    blocks = padded.view(*lead, (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
     if power_of_two:
         # ceil(log2(amax / 448)) exactly (log2 in fp32 can round just above a power of two
         # down onto it): amax / 448 = m * 2^e with m in [0.5, 1).
@@ -97,15 +99,15 @@ def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool)
     else:
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     q = (blocks / scale).to(torch.float8_e4m3fn)
-    q = q.view(rows + pad_r, cols + pad_c)[:rows, :cols]
-    return q, scale.view(scale.shape[0], scale.shape[2])
+    q = q.view(*lead, rows + pad_r, cols + pad_c)[..., :rows, :cols]
+    return q, scale.view(*lead, scale.shape[-4], scale.shape[-2])
 
 
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Inverse of :func:`quantize_blocks`, in fp32."""
-    rows, cols = q.shape
-    expanded = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return q.float() * expanded[:rows, :cols]
+    rows, cols = q.shape[-2:]
+    expanded = scales.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return q.float() * expanded[..., :rows, :cols]
 
 
 def quantize_operand(t: torch.Tensor, fmt: Format, is_weight: bool) -> torch.Tensor:

@@ -132,8 +132,9 @@ def poison_fused_buffers() -> None:
     from titan_megamoe import fused
 
     for buffers in fused._BUFFERS.values():
-        for t in (buffers.recv, buffers.combine, buffers.h):
-            t.fill_(float("nan"))
+        for t in (buffers.recv, buffers.recv_scales, buffers.combine, buffers.h, buffers.h_scales):
+            if t is not None:
+                t.fill_(float("nan"))
     for grad in fused._GRAD_BUFFERS.values():
         for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
             t.fill_(float("nan"))
