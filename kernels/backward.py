@@ -19,7 +19,15 @@ One call (all on the current stream, no host synchronisation):
    may still be pushing this rank's rows.
 5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
    the score gradient when the score scaled the expert input).
+
+Quantized (fp8): ``x`` and ``dy`` are quantized once per token before the first kernel,
+the weights (and their transposes, whose block scales are the transposed scales) on
+every call for now, the dgrad GEMM reads ``[da | db]`` quantized, and the weight
+gradients run in ``wgrad_kernel`` (operands quantized along the rows, as the spec says)
+instead of torch's grouped GEMM.
 """
+
+import functools
 
 import torch
 import triton
@@ -27,6 +35,7 @@ import triton
 from titan_megamoe.kernels.backward_dispatch_gemm1 import dispatch_grad_gemm1_kernel
 from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.forward import (
+    TRITON_DTYPES,
     ForwardBuffers,
     SymmetricAllocator,
     after_launches,
@@ -36,9 +45,13 @@ from titan_megamoe.kernels.forward import (
     preact_shape,
     reduce,
     route,
+    row_buffer,
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
+from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.transpose import transpose_into
+from titan_megamoe.kernels.wgrad import wgrad_kernel
+from titan_megamoe.precision import Format
 
 
 class GradBuffers:
@@ -46,16 +59,21 @@ class GradBuffers:
     the first backward: symmetric receive buffers for the ``dy`` rows and the scores, and
     the buffer the owners return score gradients into."""
 
-    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator):
+    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, grad_format: Format):
         shape = forward.shape
         rows = forward.recv.shape[0]
-        self.recv_grad, self.recv_grad_ptrs = symmetric((rows, shape.hidden), shape.dtype)
+        self.grad_format = grad_format
+        """Format the ``dy`` rows cross the link in (the dgrad GEMMs')."""
+        scale_k = grad_format.activation_block[1] if grad_format.quantized else 0
+        self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs = row_buffer(
+            symmetric, rows, shape.hidden, shape.dtype, scale_k)
         self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
 
     @property
     def symmetric_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.recv_grad, self.recv_score, self.score_grad))
+        held = (self.recv_grad, self.recv_grad_scales, self.recv_score, self.score_grad)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
 def per_call_bytes(forward: ForwardBuffers) -> int:
@@ -66,7 +84,23 @@ def per_call_bytes(forward: ForwardBuffers) -> int:
     rows = forward.recv.shape[0]
     parts = triton.cdiv(shape.inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * shape.inter * shape.hidden
-    return (rows * 2 * shape.inter + weights) * forward.h.element_size() + rows * 4 * parts
+    return (rows * 2 * shape.inter + weights) * shape.dtype.itemsize + rows * 4 * parts
+
+
+def _quantized_wgrad(buffers: ForwardBuffers, fmt: Format, a, a_scales, a_stride: int, b, b_scales,
+                     b_stride: int, out: torch.Tensor) -> None:
+    """``out[e] = A_e^T B_e`` over each local expert's rows, both operands quantized
+    along the rows in ``fmt`` (``wgrad_kernel``); ``out [experts, M, N]`` gives M and N."""
+    tiles, scale_k = buffers.tiles, buffers.shape.row_scale_k
+    experts, m, n = out.shape
+    grid = (experts, triton.cdiv(m, tiles.wgrad_m), triton.cdiv(n, tiles.wgrad_n))
+    wgrad_kernel[grid](
+        a, a_scales, b, b_scales, out, buffers.local_base, buffers.local_rows,
+        M=m, N=n, A_STRIDE=a_stride, B_STRIDE=b_stride,
+        A_SCALE_K=scale_k if a_scales is not None else 0, B_SCALE_K=scale_k if b_scales is not None else 0,
+        TOKEN_BLOCK=fmt.activation_block[1], POWER_OF_TWO=fmt.power_of_two,
+        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, UPCAST_DOT=INTERPRET, num_warps=tiles.wgrad_warps,
+    )
 
 
 def fused_backward(
@@ -102,7 +136,22 @@ def fused_backward(
     block_n = tiles.grad1_n if preact is None else tiles.grad1_saved_n
     parts = triton.cdiv(shape.inter, block_n)
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
-    h_wgrad = buffers.h
+    fmt, scale_k = shape.row_format, shape.row_scale_k
+    # Quantized, ``h`` holds GEMM2's e4m3 operand: the weight gradients get their own.
+    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if scale_k else buffers.h
+    w1_scales = w2_scales = w3_scales = w2t_scales = w13t_scales = None
+    x_scales = dy_scales = dab_q = dab_scales = None
+    sent, dy_sent = x, dy
+    if scale_k:
+        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt)
+        # Block scales are transpose-invariant: the transposed weights take them transposed.
+        w2t_scales = w2_scales.transpose(1, 2).contiguous()
+        w13t_scales = torch.cat([w1_scales.transpose(1, 2), w3_scales.transpose(1, 2)], dim=2).contiguous()
+        if not score_before_experts:
+            sent, x_scales = quantize_rows(x, scale_k, fmt.power_of_two)
+        dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
+        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
+        dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     # K-major copies of the weights as the backward's GEMMs read them.
     experts = shape.local_experts
     w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
@@ -112,36 +161,46 @@ def fused_backward(
     transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     dispatch_grad_gemm1_kernel[(num_programs,)](
-        x, dy, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
+        sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
-        buffers.flag_ptrs, buffers.recv, grad.recv_grad, grad.recv_score, buffers.recv_meta,
-        buffers.flags, buffers.state, buffers.local_base, buffers.local_rows, buffers.src_offset,
-        buffers.src_rows, w1, w2t, w3, dab if preact is None else preact, h_wgrad, dab,
+        buffers.flag_ptrs, buffers.recv, buffers.recv_scales, grad.recv_grad, grad.recv_grad_scales,
+        grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
+        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w2t, w2t_scales,
+        w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q, dab_scales,
         score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
         COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
-        UPCAST_DOT=INTERPRET, num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
+        UPCAST_DOT=INTERPRET, X_SCALE_K=scale_k, GRAD_SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
+        POWER_OF_TWO=fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype], ZERO_PADDING=not scale_k,
+        num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
-        dab, None, w13t, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs, score_parts,
-        grad.score_grad, grad.score_grad_ptrs, buffers.flags, buffers.flag_ptrs, buffers.state,
-        buffers.local_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts,
-        shape.rows_per_rank,
+        dab_q if scale_k else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
+        buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
+        buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
+        shape.local_experts, shape.rows_per_rank,
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=0, W_SCALE_N=0, num_warps=tiles.dgrad_warps,
+        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
 
-    bm = tiles.block_m
-    ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
-    dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
-    dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), buffers.recv, offs=ends)
-    dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), buffers.recv, offs=ends)
+    if scale_k:
+        dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
+        wgrad = functools.partial(_quantized_wgrad, buffers, fmt)
+        wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, dw2)
+        wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw1)
+        wgrad(dab[:, shape.inter:], None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw3)
+    else:
+        bm = tiles.block_m
+        ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
+        dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
+        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), buffers.recv, offs=ends)
+        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), buffers.recv, offs=ends)
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)

@@ -20,8 +20,13 @@ counter in arrival order; a tile waits only for the chunks its rows come from, a
 - stores ``h_wgrad = score * h`` (or ``h``), the operand of ``dW2 = dy^T h_wgrad``.
 
 Padding rows of an expert's last block are stored as zeros (``dab``, ``h_wgrad``,
-and the received ``x`` and ``dy`` rows), so the weight-gradient GEMMs may run over whole
-blocks whatever the buffers held before.
+and, for torch's bf16 grouped GEMMs, the received ``x`` and ``dy`` rows), so the
+weight-gradient GEMMs may run over whole blocks whatever the buffers held before.
+
+Quantized (fp8): the ``dy`` rows arrive as e4m3 with their scales, GEMM1 and ``dy W2``
+promote per scale block (``tile_gemm``), and ``[da | db]`` is stored twice: in the
+activation dtype for the weight gradients (``wgrad``), and quantized along I for the
+dgrad GEMM (``dab_q``, ``dab_scales``).
 """
 
 import triton
@@ -30,15 +35,17 @@ import triton.language as tl
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_rows
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.quantize import quantize_tile
 from titan_megamoe.kernels.sync import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS
 
 
 @triton.jit
 def dispatch_grad_gemm1_kernel(
-    x, dy, topk_w, order, send_start, dest_start, item_start,
+    x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
     recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
-    recv, recv_grad, recv_score, recv_meta, flags, state, local_base, local_rows, src_offset,
-    src_rows, w1, w2t, w3, preact, h_wgrad, dab, score_parts,
+    recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, state,
+    local_base, local_rows, src_offset, src_rows, w1, w1_scales, w2t, w2t_scales, w3, w3_scales,
+    preact, h_wgrad, dab, dab_q, dab_scales, score_parts,
     rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
@@ -46,17 +53,25 @@ def dispatch_grad_gemm1_kernel(
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
+    """``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
+    forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
+    quantized, ``dy W2`` is scaled, and ``[da | db]`` is also stored quantized for the
+    dgrad GEMM (``dab_q``, ``dab_scales``, after rounding to ``ACT_DTYPE``); weights are
+    e4m3 with one scale per ``W_SCALE_N x`` scale-width block. ``ZERO_PADDING``: zero the
+    received rows past each expert's end (for weight-gradient GEMMs over whole blocks)."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, None, dy, topk_w, order, send_start, dest_start, item_start,
-                recv, None, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
-                meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+                item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
+                recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs,
+                grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, 0, False,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, X_SCALE_K, GRAD_SCALE_K, POWER_OF_TWO,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -79,8 +94,8 @@ def dispatch_grad_gemm1_kernel(
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
-            g, u = gate_up(recv, None, w1, None, w3, None, le, rows, cols, HIDDEN, INTER, BLOCK_M, BLOCK_N,
-                           BLOCK_K, UPCAST_DOT, 0, 0)
+            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -88,8 +103,8 @@ def dispatch_grad_gemm1_kernel(
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
-            recv_grad, None, rows, w2t, None, None, None, le, cols, INTER, HIDDEN,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, 0, 0, UPCAST_DOT,
+            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, INTER, HIDDEN,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, UPCAST_DOT,
         )
 
         sig = tl.sigmoid(g)
@@ -104,13 +119,29 @@ def dispatch_grad_gemm1_kernel(
             h = h * score[:, None]
         keep = live[:, None] & col_ok[None, :]
         mask = col_ok[None, :]
+        da = tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
+        db = tl.where(keep, dh * silu, 0.0)
         at = dab + rows[:, None] * (2 * INTER) + cols[None, :]
-        tl.store(at, tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0).to(out_dtype), mask=mask)
-        tl.store(at + INTER, tl.where(keep, dh * silu, 0.0).to(out_dtype), mask=mask)
+        tl.store(at, da.to(out_dtype), mask=mask)
+        tl.store(at + INTER, db.to(out_dtype), mask=mask)
+        if GRAD_SCALE_K > 0:
+            tl.static_assert((BLOCK_N % GRAD_SCALE_K == 0) & (INTER % GRAD_SCALE_K == 0),
+                             "tiles and the intermediate size must hold whole scale blocks of [da | db]")
+            SCALE_COLS: tl.constexpr = 2 * INTER // GRAD_SCALE_K
+            kb = n_tile * (BLOCK_N // GRAD_SCALE_K) + tl.arange(0, BLOCK_N // GRAD_SCALE_K)
+            at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
+            at_s = dab_scales + rows[:, None] * SCALE_COLS + kb[None, :]
+            s_mask = kb[None, :] < INTER // GRAD_SCALE_K
+            q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+            tl.store(at_q, q, mask=mask)
+            tl.store(at_s, scales, mask=s_mask)
+            q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+            tl.store(at_q + INTER, q, mask=mask)
+            tl.store(at_s + INTER // GRAD_SCALE_K, scales, mask=s_mask)
         at = h_wgrad + rows[:, None] * INTER + cols[None, :]
         tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
 
-        if (n_tile == 0) & (end < row0 + BLOCK_M):
+        if ZERO_PADDING & (n_tile == 0) & (end < row0 + BLOCK_M):
             # Zero the received rows past the expert's end: the weight-gradient GEMMs read
             # whole blocks. Other tiles of this block may still read them; their results
             # for those rows are masked to zero above, so either value is harmless.

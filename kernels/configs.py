@@ -47,6 +47,10 @@ class TileConfig:
     COMBINE_READY): wide programs keep enough loads in flight."""
     transpose_block: int
     """Square tile of the backward's weight transposes."""
+    wgrad_m: int = 128
+    wgrad_n: int = 128
+    wgrad_warps: int = 8
+    """Tiles of the quantized weight-gradient kernel (bf16 runs torch's grouped GEMM)."""
 
 
 TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
@@ -62,13 +66,13 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
     # Blockwise fp8, first build (not tuned): 128-wide N tiles hold whole 1x128 scale
-    # blocks of h for the SwiGLU epilogue's quantization; K steps divide 128.
+    # blocks of h and of [da | db] for the epilogues' quantization; K steps divide 128.
     ("sm90", "fp8_block"): TileConfig(
         block_m=128,
         gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
-        grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
-        dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
+        grad1_n=128, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=3,
+        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests).
@@ -84,9 +88,10 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         block_m=16,
         gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
-        grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
-        dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
+        grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
+        wgrad_m=32, wgrad_n=32, wgrad_warps=4,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

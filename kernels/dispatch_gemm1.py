@@ -35,15 +35,27 @@ from titan_megamoe.kernels.sync import (
 
 
 @triton.jit
+def copy_scales(src, token, dst, dest, c0, live, HIDDEN: tl.constexpr, SCALE_K: tl.constexpr,
+                COPY_COLS: tl.constexpr):
+    """The scales of columns ``[c0, c0 + COPY_COLS)`` of each token's row in ``src`` to the
+    row ``dest`` of ``dst`` (both ``[*, cdiv(HIDDEN, SCALE_K)]``)."""
+    SCALE_COLS: tl.constexpr = tl.cdiv(HIDDEN, SCALE_K)
+    kb = c0 // SCALE_K + tl.arange(0, COPY_COLS // SCALE_K)
+    mask = live[:, None] & (kb[None, :] < SCALE_COLS)
+    scales = tl.load(src + token[:, None] * SCALE_COLS + kb[None, :], mask=mask)
+    tl.store(dst + dest[:, None] * SCALE_COLS + kb[None, :], scales, mask=mask)
+
+
+@triton.jit
 def dispatch_item(
-    item, x, x_scales, dy, topk_w, order, send_start, dest_start, item_start,
-    recv, recv_scales, recv_grad, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs,
-    meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
+    item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
+    recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs,
+    grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
     WITH_GRAD: tl.constexpr, NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr,
     MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, ROW_SCALE_K: tl.constexpr,
-    POWER_OF_TWO: tl.constexpr,
+    GRAD_SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
 ):
     """Push one item (<= BLOCK_M of my rows for one expert) to the expert's owner: the
     expert input rows and their origins, plus, ``WITH_GRAD`` (the backward), the output
@@ -53,7 +65,9 @@ def dispatch_item(
     ``ROW_SCALE_K`` > 0: expert inputs cross quantized (e4m3, one scale per ROW_SCALE_K
     columns into ``recv_scales``). Without ``SCORE_BEFORE_EXPERTS`` they were quantized
     once per token before the kernel (``x`` e4m3 with ``x_scales``) and are copied as they
-    are; with it each (token, slot) row differs, so it is quantized here, after scaling."""
+    are; with it each (token, slot) row differs, so it is quantized here, after scaling.
+    ``GRAD_SCALE_K`` > 0: the ``dy`` rows, quantized once per token before the kernel
+    (``dy`` e4m3 with ``dy_scales``), are copied with their scales the same way."""
     lane = tl.arange(0, EXPERT_PAD)
     starts = tl.load(item_start + lane, mask=lane < ep * local_experts, other=2147483647)
     o = tl.sum((starts <= item).to(tl.int32)) - 1
@@ -71,6 +85,8 @@ def dispatch_item(
     send_input = True
     if WITH_GRAD:
         recv_grad = peer_pointer(recv_grad, grad_ptrs, owner, rank)
+        if GRAD_SCALE_K > 0:
+            recv_grad_scales = peer_pointer(recv_grad_scales, grad_ptrs, owner, rank)
         recv_score = peer_pointer(recv_score, score_ptrs, owner, rank)
         send_input = tl.load(flags + NEEDS_INPUT + owner, volatile=True) != 0
     for r0 in range(0, rows, COPY_ROWS):
@@ -93,21 +109,21 @@ def dispatch_item(
                 v = tl.load(x + src, mask=mask, other=0.0)
                 if SCORE_BEFORE_EXPERTS:
                     v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
-                if ROW_SCALE_K == 0:
-                    tl.store(recv + dst, v, mask=mask)
-                else:
+                if (ROW_SCALE_K > 0) & SCORE_BEFORE_EXPERTS:
                     SCALE_COLS: tl.constexpr = tl.cdiv(HIDDEN, ROW_SCALE_K)
                     kb = c0 // ROW_SCALE_K + tl.arange(0, COPY_COLS // ROW_SCALE_K)
-                    kb_mask = live[:, None] & (kb[None, :] < SCALE_COLS)
-                    if SCORE_BEFORE_EXPERTS:
-                        q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
-                    else:
-                        q = v
-                        scales = tl.load(x_scales + token[:, None] * SCALE_COLS + kb[None, :], mask=kb_mask)
+                    q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
                     tl.store(recv + dst, q, mask=mask)
-                    tl.store(recv_scales + dest[:, None] * SCALE_COLS + kb[None, :], scales, mask=kb_mask)
+                    tl.store(recv_scales + dest[:, None] * SCALE_COLS + kb[None, :], scales,
+                             mask=live[:, None] & (kb[None, :] < SCALE_COLS))
+                else:
+                    tl.store(recv + dst, v, mask=mask)
+                    if ROW_SCALE_K > 0:
+                        copy_scales(x_scales, token, recv_scales, dest, c0, live, HIDDEN, ROW_SCALE_K, COPY_COLS)
             if WITH_GRAD:
                 tl.store(recv_grad + dst, tl.load(dy + src, mask=mask), mask=mask)
+                if GRAD_SCALE_K > 0:
+                    copy_scales(dy_scales, token, recv_grad_scales, dest, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
     peer_flags = peer_pointer(flags, flag_ptrs, owner, rank)
     signal(peer_flags + CHUNK_READY + (rank * local_experts + le) * MAX_CHUNKS + chunk, epoch)
 
@@ -163,11 +179,11 @@ def dispatch_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x_scales, x, topk_w, order, send_start, dest_start, item_start,
-                recv, recv_scales, recv, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs,
+                item, x, x_scales, x, None, topk_w, order, send_start, dest_start, item_start,
+                recv, recv_scales, recv, None, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs,
                 meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, POWER_OF_TWO,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)

@@ -19,7 +19,7 @@ from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
 from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
 from titan_megamoe.kernels.layout import layout_kernel
-from titan_megamoe.kernels.quantize import quantize_rows
+from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import STATE_WORDS, STATUS_WORDS, FlagLayout
 from titan_megamoe.precision import NATIVE, Format
 
@@ -86,7 +86,8 @@ class ForwardBuffers:
             local_experts=shape.local_experts,
             max_chunks=math.ceil(shape.rows_per_rank / bm),
         )
-        self.recv, self.recv_scales, self.recv_ptrs = _row_buffer(symmetric, rows, shape)
+        self.recv, self.recv_scales, self.recv_ptrs = row_buffer(
+            symmetric, rows, shape.hidden, shape.dtype, shape.row_scale_k)
         self.recv_meta, self.recv_meta_ptrs = symmetric((rows,), torch.int32)
         self.combine, self.combine_ptrs = symmetric((shape.rows_per_rank, shape.hidden), shape.dtype)
         self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int64)
@@ -143,17 +144,18 @@ class ForwardBuffers:
             raise RuntimeError(message)
 
 
-def _row_buffer(symmetric: SymmetricAllocator, rows: int, shape: ForwardShape):
-    """``(rows [rows, H], scales [rows, H / row_scale_k] or None, peer addresses)``: with
-    quantized rows, one symmetric allocation holds the e4m3 rows and, behind them, their
-    fp32 scales, so a row and its scales travel to the same peer buffer."""
-    if not shape.row_scale_k:
-        data, ptrs = symmetric((rows, shape.hidden), shape.dtype)
+def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch.dtype, scale_k: int):
+    """``(rows [rows, cols], scales [rows, cols / scale_k] or None, peer addresses)``: rows
+    of ``dtype`` (``scale_k`` 0), or e4m3 rows with one fp32 scale per ``scale_k`` columns,
+    held in one symmetric allocation, the scales behind the rows, so that a row and its
+    scales travel to the same peer buffer."""
+    if not scale_k:
+        data, ptrs = symmetric((rows, cols), dtype)
         return data, None, ptrs
-    scale_cols = math.ceil(shape.hidden / shape.row_scale_k)
-    data_bytes = math.ceil(rows * shape.hidden / 16) * 16  # the scales start 16-byte aligned
+    scale_cols = math.ceil(cols / scale_k)
+    data_bytes = math.ceil(rows * cols / 16) * 16  # the scales start 16-byte aligned
     raw, ptrs = symmetric((data_bytes + rows * scale_cols * 4,), torch.uint8)
-    data = raw[: rows * shape.hidden].view(torch.float8_e4m3fn).view(rows, shape.hidden)
+    data = raw[: rows * cols].view(torch.float8_e4m3fn).view(rows, cols)
     scales = raw[data_bytes:].view(torch.float32).view(rows, scale_cols)
     return data, scales, ptrs
 
@@ -268,16 +270,14 @@ def fused_forward(
     num_programs: int,
     timeout_s: float,
     preact: torch.Tensor | None = None,
-    weight_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``y [T, H]`` and the rows received per local expert (int64), see ``reference``.
 
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
     receives GEMM1's pre-activations for the backward. With a quantized
-    ``buffers.shape.row_format``, ``w1, w2, w3`` are e4m3 and ``weight_scales`` their
-    block scales (``[experts, cdiv(N, block), cdiv(K, block)]``, the format's weight
-    blocks), and ``x`` is quantized here, once per token, before the kernels send it.
+    ``buffers.shape.row_format`` the weights are quantized in its weight blocks and ``x``
+    once per token before the kernels send it.
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -287,10 +287,12 @@ def fused_forward(
     buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
 
     fmt, scale_k = shape.row_format, shape.row_scale_k
-    w1_scales, w2_scales, w3_scales = weight_scales if scale_k else (None, None, None)
-    sent, sent_scales = x, None
-    if scale_k and not score_before_experts:
-        sent, sent_scales = quantize_rows(x, scale_k, fmt.power_of_two)
+    w1_scales = w2_scales = w3_scales = sent_scales = None
+    sent = x
+    if scale_k:
+        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt)
+        if not score_before_experts:
+            sent, sent_scales = quantize_rows(x, scale_k, fmt.power_of_two)
     dispatch_gemm1_kernel[(num_programs,)](
         sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_megamoe.precision import E4M3_MAX
+from titan_megamoe.precision import E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
@@ -113,3 +113,12 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool) -> tuple[to
         BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, num_warps=4,
     )
     return q, scales
+
+
+def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Expert weights ``[E, N, K]`` as ``(e4m3 values, scales [E, cdiv(N, bn), cdiv(K, bk)])``
+    with ``(bn, bk)`` the format's weight block: the reference's own quantization (torch
+    ops), on every call for now; a kernel with a cache per FSDP all-gather replaces it."""
+    from titan_megamoe.reference import quantize_blocks
+
+    return [quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in weights]

@@ -29,7 +29,6 @@ from titan_megamoe import fused_support, symm
 from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
 from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
-from titan_megamoe.reference import quantize_blocks
 from titan_megamoe.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -102,10 +101,11 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
     return buffers
 
 
-def _grad_buffers(group: symm.Group, buffers: ForwardBuffers) -> GradBuffers:
+def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: OperatorSettings) -> GradBuffers:
     if id(buffers) not in _GRAD_BUFFERS:
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
-        grad = GradBuffers(buffers, symm.allocator(group, buffers.recv.device, sized_for))
+        allocate = symm.allocator(group, buffers.recv.device, sized_for)
+        grad = GradBuffers(buffers, allocate, settings.precision.dgrad)
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
             f"plus {per_call_bytes(buffers) / 2**30:.2f} GiB per backward call"
@@ -121,7 +121,7 @@ def prepare(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> N
     wait for this one, which would never come."""
     _check_runs(x, settings)
     buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-    _grad_buffers(group, buffers)
+    _grad_buffers(group, buffers, settings)
 
 
 def failures() -> list[str]:
@@ -201,11 +201,6 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
     buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
     preact = x.new_empty(saved_shape(x, topk_idx, w1, group, settings))
     comm_programs, num_programs = _programs(x, group, settings.comm_sms)
-    fmt, weight_scales = settings.precision.forward, None
-    if fmt.quantized:
-        # Every call, for now: the cache per FSDP all-gather is not built yet.
-        (w1, s1), (w2, s2), (w3, s3) = (quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in (w1, w2, w3))
-        weight_scales = (s1, s2, s3)
     y, tokens_per_expert = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         buffers,
@@ -214,7 +209,6 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         num_programs,
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
-        weight_scales=weight_scales,
     )
     return y, tokens_per_expert, preact
 
@@ -223,18 +217,13 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, group
                  score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` as the forward returned it."""
     _check_runs(x, settings)
-    if settings.precision.quantized:
-        raise NotImplementedError(
-            f"mega_moe fused backend: the backward of precision {settings.precision.name!r} is not "
-            "built yet (its forward is); the fused backward runs bf16 only"
-        )
     buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
     comm_programs, num_programs = _programs(x, group, settings.comm_sms)
     return fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 else None,
         buffers,
-        _grad_buffers(group, buffers),
+        _grad_buffers(group, buffers, settings),
         score_before_experts,
         comm_programs,
         num_programs,

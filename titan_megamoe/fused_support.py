@@ -42,6 +42,10 @@ def unsupported_reason(
     if target is None:
         rows = ", ".join(sorted({a for a, _ in TILE_CONFIGS} - {"interpret"}))
         return f"the tile table has no row for {described}; it has: {rows} (H100/H200)"
+    if len(set(precision.formats)) > 1:
+        return (f"precision {precision.name!r} mixes formats (forward {precision.forward.name}, "
+                f"backward {precision.dgrad.name} / {precision.wgrad.name}); the fused kernels run one "
+                "format throughout so far")
     missing = sorted({f.name for f in precision.formats if (target, f.name) not in TILE_CONFIGS})
     if missing:
         return (f"precision {precision.name!r} needs {', '.join(missing)} GEMM kernels, which the "

@@ -30,6 +30,10 @@ Numerics (what the fused kernels must reproduce):
   when requantized from bf16 kept for it, dw2 6.8% instead of 6.3%; the bf16 rows would
   double what the backward sends); ``h``, ``da`` and ``db`` are computed where they are
   used and quantized from the activation dtype;
+- in the backward, ``dy`` reaches the experts as its token's row, unscaled; where the
+  score weights the output, the expert multiplies ``dy W2`` and (for dW2) ``h`` by it in
+  the accumulation dtype, and the score's gradient ``<out, dy>`` is ``<h, dy W2>`` with
+  the dgrad GEMM's product and ``h`` unrounded (the forward's output rows are not kept);
 - the tensors a kernel stores between GEMMs (the scaled input, the SwiGLU output ``h``,
   the expert output rows, ``da``/``db`` in the backward) are rounded to the activation
   dtype; the output rows and ``dx`` go back over the link in that dtype;
@@ -300,25 +304,32 @@ def moe_backward(
     dy_link = prec.dgrad if prec.wgrad.quantized else NATIVE
     expert_input = _expert_input(x, topk_w, layout, top_k, score_before_experts)
     recv_x = _dispatch(to_link(expert_input, x_link), layout, group)
-    # Gradient reaching each expert output row.
-    grad_rows = dy[token_of_row]
-    if not score_before_experts:
-        grad_rows = (_acc(grad_rows) * slot_scores).to(dy.dtype)
-    recv_grad = _dispatch(to_link(grad_rows, dy_link), layout, group)
+    # What reaches each expert output row: its token's dy row, unscaled (so that a token's
+    # row is quantized once); where the score weights the output, the expert applies it
+    # to ``dy W2`` and, for dW2, to h, in the accumulation dtype.
+    recv_grad = _dispatch(to_link(dy[token_of_row], dy_link), layout, group)
+    recv_score = _dispatch(slot_scores, layout, group)
 
     recv_dx = torch.empty(recv_x.shape, dtype=x.dtype, device=x.device)
-    recv_out = torch.empty(recv_x.shape, dtype=x.dtype, device=x.device)
+    # Where the score weights the output, its gradient <out, dy> is taken as <h, dy W2>
+    # with the backward's own dgrad product (the forward's output rows are gone by then).
+    recv_score_grad = torch.empty(recv_x.shape[0], 1, dtype=torch.float32, device=x.device)
     dw1, dw2, dw3 = (_acc(torch.zeros_like(w)) for w in (w1, w2, w3))
     for e in range(w1.shape[0]):
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
         xe, ge = recv_x[rows], recv_grad[rows]
-        a, b, h, recv_out[rows] = _expert_forward(xe, w1[e], w2[e], w3[e], prec.forward, x.dtype, x_link.quantized)
+        a, b, h, _ = _expert_forward(xe, w1[e], w2[e], w3[e], prec.forward, x.dtype, x_link.quantized)
         sig = torch.sigmoid(a)
 
         dh = gemm(ge, w2[e].T, prec.dgrad, True, a_arrived=dy_link.quantized)
+        h_wgrad = h
+        if not score_before_experts:
+            recv_score_grad[rows] = (F.silu(a) * b * dh).sum(dim=1, keepdim=True).float()
+            dh = dh * recv_score[rows]
+            h_wgrad = (F.silu(a) * b * recv_score[rows]).to(x.dtype)
         da = (dh * b * sig * (1 + a * (1 - sig))).to(x.dtype)
         db = (dh * a * sig).to(x.dtype)
-        dw2[e] = gemm(ge.T, h.T, prec.wgrad, False)
+        dw2[e] = gemm(ge.T, h_wgrad.T, prec.wgrad, False)
         dw1[e] = gemm(da.T, xe.T, prec.wgrad, False)
         dw3[e] = gemm(db.T, xe.T, prec.wgrad, False)
         recv_dx[rows] = (gemm(da, w1[e].T, prec.dgrad, True) + gemm(db, w3[e].T, prec.dgrad, True)).to(x.dtype)
@@ -330,8 +341,7 @@ def moe_backward(
         d_topk_w = (d_in * _acc(x).unsqueeze(1)).sum(dim=2)
     else:
         dx = d_in.sum(dim=1)
-        out = _acc(_unsort(_combine(recv_out, layout, group), layout, num_tokens, top_k))
-        d_topk_w = (out * _acc(dy).unsqueeze(1)).sum(dim=2)
+        d_topk_w = _unsort(_combine(recv_score_grad, layout, group), layout, num_tokens, top_k).squeeze(2)
     return (
         dx.to(x.dtype),
         d_topk_w.to(topk_w.dtype),
