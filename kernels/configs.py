@@ -65,16 +65,6 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
-    # Blockwise fp8, first build (not tuned): 128-wide N tiles hold whole 1x128 scale
-    # blocks of h and of [da | db] for the epilogues' quantization; K steps divide 128.
-    ("sm90", "fp8_block"): TileConfig(
-        block_m=128,
-        gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
-        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
-        grad1_n=128, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=3,
-        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
-        copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-    ),
     # Tiny tiles for the Triton interpreter (CPU tests).
     ("interpret", "native"): TileConfig(
         block_m=16,
