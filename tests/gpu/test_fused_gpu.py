@@ -120,8 +120,18 @@ def _check_scenarios(rank: int, world: int, precision: str):
     torch.cuda.synchronize()
 
 
+def _skip_unless_fused_runs(precision: str) -> None:
+    from titan_megamoe.fused_support import unsupported_reason
+    from titan_megamoe.precision import get_precision
+
+    reason = unsupported_reason(torch.device("cuda"), torch.bfloat16, get_precision(precision), True)
+    if reason:
+        pytest.skip(reason)
+
+
 @pytest.mark.parametrize("precision", list(TOLERANCES))
 def test_one_gpu(precision):
+    _skip_unless_fused_runs(precision)
     run_ranks(_check_scenarios, 1, precision, backend="nccl", timeout_s=600)
 
 
@@ -129,5 +139,6 @@ def test_one_gpu(precision):
 def test_two_gpus(precision):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    _skip_unless_fused_runs(precision)
     run_ranks(_check_scenarios, 2, precision, backend="nccl", timeout_s=600)
 
