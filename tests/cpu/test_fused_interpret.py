@@ -324,54 +324,21 @@ def test_fused_backend_compiles_fullgraph(monkeypatch):
     run_ranks(_compiles_fullgraph, 1, timeout_s=600)
 
 
-def _fp8_forward_matches_reference(rank, world):
+def _fp8_matches_reference(rank, world):
     """The fp8 forward (rows quantized once at the source, scaled GEMM1, h quantized in
-    its epilogue, scaled GEMM2) against the fp8 reference: the same quantized values, so
-    only fp32 summation order (and an e4m3 rounding of h it may flip) separates them.
-    fp32 activations: the interpreter rounds fp32 -> bf16 by truncation."""
+    its epilogue, scaled GEMM2) and backward (dy quantized once per token, GEMM1 recomputed
+    scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its epilogue, scaled
+    dgrad, weight gradients requantized along the tokens) against the fp8 reference: the
+    same quantized values, so only fp32 summation order (and an e4m3 rounding it may
+    flip) separates them. fp32 activations: the interpreter rounds fp32 -> bf16 by
+    truncation."""
     from titan_megamoe import fused, reference
     from titan_megamoe.precision import get_precision
 
     hidden, inter, experts, top_k = 256, 256, 4, 2
     fp8 = get_precision("fp8")
-    settings = _settings(precision="fp8")
-    for num_tokens, routing, score_before in ((24, "random", False), (17, "skewed", True), (1, "random", False)):
-        g = torch.Generator().manual_seed(num_tokens)
-        x = torch.randn(num_tokens, hidden, generator=g)
-        scores = torch.rand(num_tokens, experts, generator=g)
-        if routing == "skewed":
-            scores[:, 0] += 2.0
-        idx = scores.topk(top_k, dim=1).indices
-        w = torch.softmax(torch.randn(num_tokens, top_k, generator=g), dim=1)
-        w1, w3 = (torch.randn(experts, inter, hidden, generator=g) / hidden**0.5 for _ in range(2))
-        w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-        poison_fused_buffers()
-        y, counts, _ = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-        y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, fp8)
-        case = (num_tokens, routing, score_before)
-        assert torch.equal(counts, counts_ref), case
-        assert torch.isfinite(y).all(), case
-        err, worst = reference.relative_error(y, y_ref), reference.max_row_error(y, y_ref)
-        print(f"fp8 forward {case}: {err:.1e}, worst row {worst:.1e}", flush=True)
-        assert err < 1e-2 and worst < 3e-2, (case, err, worst)
-
-
-def test_fp8_forward_matches_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_fp8_forward_matches_reference, 1, timeout_s=600)
-
-
-def _fp8_backward_matches_reference(rank, world):
-    """The fp8 backward (dy quantized once per token at the source, scaled GEMM1 recompute
-    or saved pre-activations, scaled ``dy W2``, ``[da | db]`` quantized in its epilogue,
-    scaled dgrad, weight gradients requantized along the tokens) against the fp8
-    reference. fp32 activations (the interpreter truncates fp32 -> bf16)."""
-    from titan_megamoe import fused, reference
-    from titan_megamoe.precision import get_precision
-
-    hidden, inter, experts, top_k = 256, 256, 4, 2
-    fp8 = get_precision("fp8")
-    cases = ((24, "random", False, False), (17, "skewed", True, True), (150, "random", False, True))
+    cases = ((24, "random", False, False), (17, "skewed", True, True), (150, "random", False, True),
+             (1, "random", False, False))
     for num_tokens, routing, score_before, save in cases:
         settings = _settings(precision="fp8", save_gemm1=save, capacity_tokens_per_rank=160)
         g = torch.Generator().manual_seed(num_tokens)
@@ -385,17 +352,21 @@ def _fp8_backward_matches_reference(rank, world):
         w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
         dy = torch.randn(num_tokens, hidden, generator=g)
         poison_fused_buffers()
-        _, _, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+        y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
+        y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, fp8)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, fp8)
         case = (num_tokens, routing, score_before, save)
-        for name, got, want in zip(GRADIENTS, grads, grads_ref):
+        assert torch.equal(counts, counts_ref), case
+        for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
             assert torch.isfinite(got).all(), (case, name)
             err, worst = reference.relative_error(got, want), reference.max_row_error(got, want)
-            print(f"fp8 backward {case} {name}: {err:.1e}, worst row {worst:.1e}", flush=True)
+            print(f"fp8 {case} {name}: {err:.1e}, worst row {worst:.1e}", flush=True)
             assert err < 1e-2, (case, name, err)
+            if name == "y":
+                assert worst < 3e-2, (case, name, worst)
 
 
-def test_fp8_backward_matches_reference(monkeypatch):
+def test_fp8_matches_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_fp8_backward_matches_reference, 1, timeout_s=900)
+    run_ranks(_fp8_matches_reference, 1, timeout_s=900)
