@@ -115,10 +115,47 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool) -> tuple[to
     return q, scales
 
 
+
+@triton.jit
+def quantize_weight_blocks_kernel(
+    w, q, scales, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr,
+):
+    """One ``BLOCK_N x BLOCK_K`` block of expert ``program_id(0)``'s ``w [N, K]`` per
+    program: its e4m3 values into ``q``, its one scale into
+    ``scales [E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)]`` (``quantize_tile`` over the whole
+    block as one group)."""
+    e = tl.program_id(0).to(tl.int64)
+    nb, kb = tl.program_id(1), tl.program_id(2)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    at = e * N * K + rows[:, None] * K + cols[None, :]
+    values = tl.load(w + at, mask=mask, other=0.0).to(tl.float32)
+    block_q, block_scale = quantize_tile(tl.reshape(values, (1, BLOCK_N * BLOCK_K)), BLOCK_N * BLOCK_K, POWER_OF_TWO)
+    tl.store(q + at, tl.reshape(block_q, (BLOCK_N, BLOCK_K)), mask=mask)
+    scale_at = (e * tl.cdiv(N, BLOCK_N) + nb) * tl.cdiv(K, BLOCK_K) + kb
+    tl.store(scales + scale_at, tl.max(tl.reshape(block_scale, (1,)), axis=0))
+
+
 def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Expert weights ``[E, N, K]`` as ``(e4m3 values, scales [E, cdiv(N, bn), cdiv(K, bk)])``
-    with ``(bn, bk)`` the format's weight block: the reference's own quantization (torch
-    ops), on every call for now; a kernel with a cache per FSDP all-gather replaces it."""
-    from titan_megamoe.reference import quantize_blocks
-
-    return [quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in weights]
+    with ``(bn, bk)`` the format's weight block, bit for bit
+    ``reference.quantize_blocks(w, (bn, bk), power_of_two)``. On every call for now; a
+    cache per FSDP all-gather comes next."""
+    bn, bk = fmt.weight_block
+    quantized = []
+    for w in weights:
+        w = w.contiguous()
+        experts, n, k = w.shape
+        if bn == 1:  # blocks along K only: rows of the flattened weight
+            q, scales = quantize_rows(w.view(experts * n, k), bk, fmt.power_of_two)
+            quantized.append((q.view(experts, n, k), scales.view(experts, n, -1)))
+            continue
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(experts, triton.cdiv(n, bn), triton.cdiv(k, bk), dtype=torch.float32, device=w.device)
+        quantize_weight_blocks_kernel[scales.shape](
+            w, q, scales, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two, num_warps=8,
+        )
+        quantized.append((q, scales))
+    return quantized

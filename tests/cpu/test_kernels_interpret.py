@@ -45,6 +45,17 @@ def test_quantize_rows_bit_exact(monkeypatch):
     run_ranks(_quantize, 1, timeout_s=300)
 
 
+def _quantize_weights(rank, world):
+    from kernel_checks import check_quantize_weights
+
+    check_quantize_weights("cpu", seed=2)
+
+
+def test_quantize_weights_bit_exact(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_quantize_weights, 1, timeout_s=300)
+
+
 def test_tile_table_lookups(monkeypatch):
     from titan_megamoe.kernels import configs
 

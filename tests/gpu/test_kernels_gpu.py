@@ -1,7 +1,8 @@
 """The kernels' shared helpers on a GPU at real sizes (a Qwen3-30B-A3B gate/up GEMM shape and
 one with K and N tails), fresh random inputs, poisoned outputs: the tile-GEMM mainloop
-(blockwise fp8 and mxfp8 with their scales, bf16, one and two B operands) and the row
-quantizer (bit for bit), against the reference's ``quantize_blocks`` / ``dequantize_blocks``."""
+(blockwise fp8 and mxfp8 with their scales, bf16, one and two B operands), the row and the
+weight quantizers (bit for bit), against the reference's ``quantize_blocks`` /
+``dequantize_blocks``."""
 
 import pytest
 import torch
@@ -30,3 +31,9 @@ def test_quantize_rows_bit_exact(rows, cols):
     from kernel_checks import check_quantize
 
     check_quantize("cuda", rows, cols, seed=torch.seed() % 2**31)
+
+
+def test_quantize_weights_bit_exact():
+    from kernel_checks import check_quantize_weights
+
+    check_quantize_weights("cuda", seed=torch.seed() % 2**31)
