@@ -21,8 +21,7 @@ One call (all on the current stream, no host synchronisation):
    the score gradient when the score scaled the expert input).
 
 Quantized (fp8): ``x`` and ``dy`` are quantized once per token before the first kernel,
-the weights (and their transposes, whose block scales are the transposed scales) on
-every call for now, the dgrad GEMM reads ``[da | db]`` quantized, and the weight
+the weights and their transposes (each in its own orientation) on every call for now, the dgrad GEMM reads ``[da | db]`` quantized, and the weight
 gradients run in ``wgrad_kernel`` (operands quantized along the rows, as the spec says)
 instead of torch's grouped GEMM.
 """
@@ -139,19 +138,6 @@ def fused_backward(
     fmt, scale_k = shape.row_format, shape.row_scale_k
     # Quantized, ``h`` holds GEMM2's e4m3 operand: the weight gradients get their own.
     h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if scale_k else buffers.h
-    w1_scales = w2_scales = w3_scales = w2t_scales = w13t_scales = None
-    x_scales = dy_scales = dab_q = dab_scales = None
-    sent, dy_sent = x, dy
-    if scale_k:
-        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt)
-        # Block scales are transpose-invariant: the transposed weights take them transposed.
-        w2t_scales = w2_scales.transpose(1, 2).contiguous()
-        w13t_scales = torch.cat([w1_scales.transpose(1, 2), w3_scales.transpose(1, 2)], dim=2).contiguous()
-        if not score_before_experts:
-            sent, x_scales = quantize_rows(x, scale_k, fmt.power_of_two)
-        dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
-        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
-        dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     # K-major copies of the weights as the backward's GEMMs read them.
     experts = shape.local_experts
     w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
@@ -159,6 +145,19 @@ def fused_backward(
     transpose_into(w2, w2t, 0, tiles.transpose_block)
     transpose_into(w1, w13t, 0, tiles.transpose_block)
     transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
+    w1_scales = w3_scales = w2t_scales = w13t_scales = None
+    x_scales = dy_scales = dab_q = dab_scales = None
+    sent, dy_sent = x, dy
+    if scale_k:
+        # The transposes are quantized in their own orientation: a weight block need not be
+        # square (MX's are 1 x 32), so the forward's scales do not carry over.
+        (w1, w1_scales), (w3, w3_scales), (w2t, w2t_scales), (w13t, w13t_scales) = quantize_weights(
+            [w1, w3, w2t, w13t], fmt)
+        if not score_before_experts:
+            sent, x_scales = quantize_rows(x, scale_k, fmt.power_of_two)
+        dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
+        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
+        dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     dispatch_grad_gemm1_kernel[(num_programs,)](
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,

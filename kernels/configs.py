@@ -83,6 +83,15 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_warps=4,
     ),
+    ("interpret", "mxfp8"): TileConfig(
+        block_m=16,
+        gemm1_n=32, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
+        gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
+        grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
+        copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
+        wgrad_m=32, wgrad_n=32, wgrad_warps=4,
+    ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
 format names as ``titan_megamoe.precision`` does."""

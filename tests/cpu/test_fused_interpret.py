@@ -324,23 +324,23 @@ def test_fused_backend_compiles_fullgraph(monkeypatch):
     run_ranks(_compiles_fullgraph, 1, timeout_s=600)
 
 
-def _fp8_matches_reference(rank, world):
-    """The fp8 forward (rows quantized once at the source, scaled GEMM1, h quantized in
-    its epilogue, scaled GEMM2) and backward (dy quantized once per token, GEMM1 recomputed
-    scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its epilogue, scaled
-    dgrad, weight gradients requantized along the tokens) against the fp8 reference: the
-    same quantized values, so only fp32 summation order (and an e4m3 rounding it may
-    flip) separates them. fp32 activations: the interpreter rounds fp32 -> bf16 by
-    truncation."""
+def _quantized_matches_reference(rank, world, precision):
+    """The quantized forward (rows quantized once at the source, scaled GEMM1, h quantized
+    in its epilogue, scaled GEMM2) and backward (dy quantized once per token, GEMM1
+    recomputed scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its
+    epilogue, scaled dgrad, weight gradients requantized along the tokens) against the
+    same-precision reference: the same quantized values, so only fp32 summation order
+    (and an e4m3 rounding it may flip) separates them. fp32 activations: the interpreter
+    rounds fp32 -> bf16 by truncation."""
     from titan_megamoe import fused, reference
     from titan_megamoe.precision import get_precision
 
     hidden, inter, experts, top_k = 256, 256, 4, 2
-    fp8 = get_precision("fp8")
+    spec = get_precision(precision)
     cases = ((24, "random", False, False), (17, "skewed", True, True), (150, "random", False, True),
              (1, "random", False, False))
     for num_tokens, routing, score_before, save in cases:
-        settings = _settings(precision="fp8", save_gemm1=save, capacity_tokens_per_rank=160)
+        settings = _settings(precision=precision, save_gemm1=save, capacity_tokens_per_rank=160)
         g = torch.Generator().manual_seed(num_tokens)
         x = torch.randn(num_tokens, hidden, generator=g)
         scores = torch.rand(num_tokens, experts, generator=g)
@@ -354,19 +354,20 @@ def _fp8_matches_reference(rank, world):
         poison_fused_buffers()
         y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
-        y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, fp8)
-        grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, fp8)
-        case = (num_tokens, routing, score_before, save)
+        y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
+        grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec)
+        case = (precision, num_tokens, routing, score_before, save)
         assert torch.equal(counts, counts_ref), case
         for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
             assert torch.isfinite(got).all(), (case, name)
             err, worst = reference.relative_error(got, want), reference.max_row_error(got, want)
-            print(f"fp8 {case} {name}: {err:.1e}, worst row {worst:.1e}", flush=True)
+            print(f"{case} {name}: {err:.1e}, worst row {worst:.1e}", flush=True)
             assert err < 1e-2, (case, name, err)
             if name == "y":
                 assert worst < 3e-2, (case, name, worst)
 
 
-def test_fp8_matches_reference(monkeypatch):
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_quantized_matches_reference(precision, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_fp8_matches_reference, 1, timeout_s=900)
+    run_ranks(_quantized_matches_reference, 1, precision, timeout_s=900)
