@@ -3,7 +3,9 @@
     torchrun --nproc_per_node=N scripts/profile_layer.py --shape 30B-A3B --tokens 16384 [--backward]
 
 Random routing (softmax of random logits, top-k), EP = every rank, bf16. Prints, on rank
-0, each kernel's mean time per call and the wall time per call, for every ``--comm-sms``
+0, each kernel's mean time per call, the wall time per call, and how long the host took
+to issue a call (calls are issued back to back: a host time near the wall time means the
+GPU waits for the host), for every ``--comm-sms``
 value and every ``--tiles`` variant of the SM90 tile table (e.g.
 ``--tiles "" "gemm2_n=128,gemm2_stages=4"``: the table as is, then with those fields
 changed). ``--backward`` times forward + backward (the kernels of both passes; the
@@ -16,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -122,19 +125,23 @@ def main():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             start.record()
+            issued = time.perf_counter()
             for _ in range(args.iters):
                 call()
+            issued = time.perf_counter() - issued
             end.record()
             torch.cuda.synchronize()
         kernels = defaultdict(float)
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.name[:60]] += e.device_time / args.iters / 1e3
-        results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "kernels_ms": dict(kernels)}
+        results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
+                          "kernels_ms": dict(kernels)}
     if rank == 0:
         for label, r in results.items():
             what = "forward + backward" if args.backward else "forward"
-            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {what} {label}: {r['wall_ms']:.3f} ms per call")
+            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {what} {label}: {r['wall_ms']:.3f} ms per call, "
+                  f"{sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
             for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
                 print(f"    {ms:8.3f} ms  {name}")
         out = Path(args.out)
