@@ -141,16 +141,18 @@ def dispatch_grad_gemm1_kernel(
         at = h_wgrad + rows[:, None] * INTER + cols[None, :]
         tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
 
-        if ZERO_PADDING & (n_tile == 0) & (end < row0 + BLOCK_M):
-            # Zero the received rows past the expert's end: the weight-gradient GEMMs read
-            # whole blocks. Other tiles of this block may still read them; their results
-            # for those rows are masked to zero above, so either value is harmless.
-            pad = rows >= end
-            ks = tl.arange(0, BLOCK_K)
-            zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=out_dtype)
-            for c0 in range(0, HIDDEN, BLOCK_K):
-                at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
-                zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
-                tl.store(recv + at_x, zero, mask=zmask)
-                tl.store(recv_grad + at_x, zero, mask=zmask)
+        if ZERO_PADDING:
+            if (n_tile == 0) & (end < row0 + BLOCK_M):
+                # Zero the received rows past the expert's end: the weight-gradient GEMMs
+                # read whole blocks. Other tiles of this block may still read them; their
+                # results for those rows are masked to zero above, so either value is
+                # harmless.
+                pad = rows >= end
+                ks = tl.arange(0, BLOCK_K)
+                zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=out_dtype)
+                for c0 in range(0, HIDDEN, BLOCK_K):
+                    at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
+                    zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
+                    tl.store(recv + at_x, zero, mask=zmask)
+                    tl.store(recv_grad + at_x, zero, mask=zmask)
         tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
