@@ -237,14 +237,13 @@ def _expert_input(x: torch.Tensor, topk_w: torch.Tensor, layout: DispatchLayout,
 # ---------------------------------------------------------------------------------------
 
 
-def _expert_forward(xe, w1e, w2e, w3e, fmt: Format, dtype: torch.dtype, arrived_in_format: bool):
-    """One expert on its rows: GEMM1 pre-activations ``a``, ``b`` (accumulation dtype),
-    the SwiGLU output ``h`` and the output rows (both rounded to ``dtype``).
-    ``arrived_in_format``: the rows crossed the link already in ``fmt``."""
+def _gate_up(xe, w1e, w3e, fmt: Format, dtype: torch.dtype, arrived_in_format: bool):
+    """GEMM1 of one expert on its rows: the pre-activations ``a``, ``b`` (accumulation
+    dtype) and the SwiGLU output ``h`` (rounded to ``dtype``). ``arrived_in_format``: the
+    rows crossed the link already in ``fmt``."""
     a = gemm(xe, w1e, fmt, True, a_arrived=arrived_in_format)
     b = gemm(xe, w3e, fmt, True, a_arrived=arrived_in_format)
-    h = (F.silu(a) * b).to(dtype)
-    return a, b, h, gemm(h, w2e, fmt, True).to(dtype)
+    return a, b, (F.silu(a) * b).to(dtype)
 
 
 def moe_forward(
@@ -267,7 +266,8 @@ def moe_forward(
     recv_out = torch.empty(recv_x.shape, dtype=x.dtype, device=x.device)
     for e in range(w1.shape[0]):
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
-        recv_out[rows] = _expert_forward(recv_x[rows], w1[e], w2[e], w3[e], fmt, x.dtype, True)[3]
+        h = _gate_up(recv_x[rows], w1[e], w3[e], fmt, x.dtype, True)[2]
+        recv_out[rows] = gemm(h, w2[e], fmt, True).to(x.dtype)
 
     out = _acc(_unsort(_combine(recv_out, layout, group), layout, num_tokens, top_k))
     if score_before_experts:
@@ -308,7 +308,7 @@ def moe_backward(
     # row is quantized once); where the score weights the output, the expert applies it
     # to ``dy W2`` and, for dW2, to h, in the accumulation dtype.
     recv_grad = _dispatch(to_link(dy[token_of_row], dy_link), layout, group)
-    recv_score = _dispatch(slot_scores, layout, group)
+    recv_score = None if score_before_experts else _dispatch(slot_scores, layout, group)
 
     recv_dx = torch.empty(recv_x.shape, dtype=x.dtype, device=x.device)
     # Where the score weights the output, its gradient <out, dy> is taken as <h, dy W2>
@@ -318,7 +318,7 @@ def moe_backward(
     for e in range(w1.shape[0]):
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
         xe, ge = recv_x[rows], recv_grad[rows]
-        a, b, h, _ = _expert_forward(xe, w1[e], w2[e], w3[e], prec.forward, x.dtype, x_link.quantized)
+        a, b, h = _gate_up(xe, w1[e], w3[e], prec.forward, x.dtype, x_link.quantized)
         sig = torch.sigmoid(a)
 
         dh = gemm(ge, w2[e].T, prec.dgrad, True, a_arrived=dy_link.quantized)
