@@ -21,9 +21,10 @@ One call (all on the current stream, no host synchronisation):
    the score gradient when the score scaled the expert input).
 
 Quantized (fp8): ``x`` and ``dy`` are quantized once per token before the first kernel,
-the weights and their transposes (each in its own orientation) on every call for now, the dgrad GEMM reads ``[da | db]`` quantized, and the weight
-gradients run in ``wgrad_kernel`` (operands quantized along the rows, as the spec says)
-instead of torch's grouped GEMM.
+the weights and their transposes (each in its own orientation) on every call for now,
+the dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run in
+``wgrad_kernel`` (operands quantized along the rows, as the spec says) instead of
+torch's grouped GEMM.
 """
 
 import functools
@@ -171,7 +172,8 @@ def fused_backward(
         SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
         COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-        BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
+        TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
+        COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=scale_k, GRAD_SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
         POWER_OF_TWO=fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype], ZERO_PADDING=not scale_k,
         num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,

@@ -5,7 +5,7 @@ Programs ``0 .. COMM_PROGRAMS-1`` push, per item (<= BLOCK_M rows of one expert)
 output-gradient rows ``dy`` and the scores into the owner's receive buffers, and the
 expert input rows (as the forward did) unless the owner still holds them from the
 forward (its NEEDS_INPUT flag), then release CHUNK_READY (protocol: ``sync``). Every
-program then takes tiles (BLOCK_M rows x BLOCK_N intermediate columns) from a device
+program then takes tiles (TILE_M rows x BLOCK_N intermediate columns) from a device
 counter in arrival order; a tile waits only for the chunks its rows come from, and:
 
 - has the pre-activations ``g = x W1^T``, ``u = x W3^T`` (recomputed, or read from the
@@ -51,7 +51,7 @@ def dispatch_grad_gemm1_kernel(
     SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
@@ -75,27 +75,27 @@ def dispatch_grad_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     out_dtype = dab.dtype.element_ty
     tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
-        row0 = (tile // n_tiles) * BLOCK_M
+        row0 = (tile // n_tiles) * TILE_M
         n_tile = tile % n_tiles
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         base = tl.load(local_base + le)
         end = base + tl.load(local_rows + le)
         wait_rows(
             flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
         )
 
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
-                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N)
+                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -104,7 +104,7 @@ def dispatch_grad_gemm1_kernel(
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, INTER, HIDDEN,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, UPCAST_DOT,
         )
 
         sig = tl.sigmoid(g)
@@ -142,14 +142,14 @@ def dispatch_grad_gemm1_kernel(
         tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
 
         if ZERO_PADDING:
-            if (n_tile == 0) & (end < row0 + BLOCK_M):
+            if (n_tile == 0) & (end < row0 + TILE_M):
                 # Zero the received rows past the expert's end: the weight-gradient GEMMs
                 # read whole blocks. Other tiles of this block may still read them; their
                 # results for those rows are masked to zero above, so either value is
                 # harmless.
                 pad = rows >= end
                 ks = tl.arange(0, BLOCK_K)
-                zero = tl.zeros((BLOCK_M, BLOCK_K), dtype=out_dtype)
+                zero = tl.zeros((TILE_M, BLOCK_K), dtype=out_dtype)
                 for c0 in range(0, HIDDEN, BLOCK_K):
                     at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
                     zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))

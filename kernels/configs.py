@@ -14,6 +14,9 @@ class TileConfig:
     block_m: int
     """Rows per GEMM tile; also the alignment of each expert's rows in the receive
     buffer and the length of a dispatch chunk."""
+    gemm1_m: int
+    """Rows per GEMM1 tile, dividing ``block_m``: a quantized tile keeps a partial product
+    beside each accumulator, and fewer rows keep both in registers."""
     gemm1_n: int
     """Intermediate columns per GEMM1 tile (two accumulators: gate and up)."""
     gemm1_k: int
@@ -24,6 +27,8 @@ class TileConfig:
     gemm2_k: int
     gemm2_warps: int
     gemm2_stages: int
+    grad1_m: int
+    """Backward, first kernel: rows per tile, dividing ``block_m``."""
     grad1_n: int
     """Backward, first kernel: intermediate columns per tile (three accumulators: gate, up
     and ``dy W2``)."""
@@ -52,6 +57,12 @@ class TileConfig:
     wgrad_warps: int = 8
     """Tiles of the quantized weight-gradient kernel (bf16 runs torch's grouped GEMM)."""
 
+    def __post_init__(self):
+        for name in ("gemm1_m", "grad1_m"):
+            rows = getattr(self, name)
+            if rows < 1 or self.block_m % rows:
+                raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
+
 
 TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # H100/H200 (measured on H200, docs/perf.md): GEMM1 128x(2x128)x64 in 4 stages,
@@ -59,35 +70,51 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # 128x256x64 (dgrad, as GEMM2) in 3, 8 warps.
     ("sm90", "native"): TileConfig(
         block_m=128,
-        gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
+        gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
-        grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
-    # Tiny tiles for the Triton interpreter (CPU tests).
+    # Blockwise fp8 on H100/H200: one 128-deep scale block per K step. Each scaled
+    # accumulator has a partial product beside it (promoted once per block). GEMM1 and
+    # the backward's first kernel store h and [da | db] in 1x128 blocks, so their tiles
+    # are 128 columns wide and 64 rows tall (four 64x128 fp32 tiles in 256 threads: 128
+    # registers). GEMM2 and dgrad 128x128 as in the plain blockwise-fp8 grouped GEMM
+    # measured at 613-835 TFLOP/s (docs/perf.md, v9).
+    ("sm90", "fp8_block"): TileConfig(
+        block_m=128,
+        gemm1_m=64, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
+        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
+        grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=3,
+        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
+        copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
+        wgrad_m=128, wgrad_n=128, wgrad_warps=8,
+    ),
+    # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
+    # half a block tall, as on the GPU.
     ("interpret", "native"): TileConfig(
         block_m=16,
-        gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
+        gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
-        grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
+        grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
         dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
     ),
     ("interpret", "fp8_block"): TileConfig(
         block_m=16,
-        gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
+        gemm1_m=8, gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
-        grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_warps=4,
     ),
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
-        gemm1_n=32, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
+        gemm1_m=16, gemm1_n=32, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
-        grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_warps=4,

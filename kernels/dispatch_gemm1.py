@@ -132,16 +132,17 @@ def dispatch_item(
 def wait_rows(
     flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep, local_experts,
     CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr, EP_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
 ):
-    """Wait until every source's chunks that overlap rows [row0, row0 + BLOCK_M) arrived.
-    Chunks are BLOCK_M rows long, so each source contributes at most two."""
+    """Wait until every source's chunks that overlap rows [row0, row0 + TILE_M) arrived.
+    Chunks are BLOCK_M rows long and TILE_M <= BLOCK_M, so each source contributes at most
+    two."""
     s = tl.arange(0, EP_PAD)[:, None]
     second = tl.arange(0, 2)[None, :]
     seg = base + tl.load(src_offset + s * local_experts + le, mask=s < ep, other=0)
     n = tl.load(src_rows + s * local_experts + le, mask=s < ep, other=0)
     lo = tl.maximum(row0, seg)
-    hi = tl.minimum(row0 + BLOCK_M, seg + n)
+    hi = tl.minimum(row0 + TILE_M, seg + n)
     c0 = (lo - seg) // BLOCK_M
     c1 = (hi - 1 - seg) // BLOCK_M
     chunk = c0 + second
@@ -161,12 +162,13 @@ def dispatch_gemm1_kernel(
     SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, POWER_OF_TWO: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
 ):
-    """``SAVE_PREACT``: also store the pre-activations ``[gate | up]`` into ``preact``
+    """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
+    intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]`` into ``preact``
     ``[rows, 2 * INTER]`` for the backward.
 
     ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
@@ -187,23 +189,23 @@ def dispatch_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
-        row0 = (tile // n_tiles) * BLOCK_M
+        row0 = (tile // n_tiles) * TILE_M
         n0 = (tile % n_tiles) * BLOCK_N
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         base = tl.load(local_base + le)
         wait_rows(
             flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M,
+            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
         )
 
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N)
+                       TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N)
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
         if SCALE_K == 0:

@@ -28,12 +28,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
-from titan_megamoe.precision import NATIVE
+from titan_megamoe.precision import get_precision
 from titan_megamoe.settings import OperatorSettings
 
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
-TILES = ("sm90", NATIVE.name)
-"""The tile-table row that bf16 runs on H100/H200 (every GEMM in the native format)."""
+ARCH = "sm90"
+"""The tile table's architecture profiled: H100/H200."""
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
 
@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--comm-sms", type=comm_sms_list, default=[16], help="comma-separated values to compare")
     p.add_argument("--tiles", type=tile_changes, nargs="*", default=[{}],
                    help='tile-table variants: field=value,... ("" for the table as is)')
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                   help="the operator's precision; --tiles edit the row of its format")
     p.add_argument("--backward", action="store_true", help="forward + backward per call")
     p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
     p.add_argument("--iters", type=positive_int, default=10)
@@ -103,14 +105,15 @@ def main():
     x = x.requires_grad_(args.backward)
     dy = torch.randn_like(x)
     results = {}
-    table = configs.TILE_CONFIGS[TILES]
+    row = (ARCH, get_precision(args.precision).forward.name)
+    table = configs.TILE_CONFIGS[row]
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
     for comm_sms, changes in variants:
         # Each variant's tiles key buffers of their own in the fused backend.
-        configs.TILE_CONFIGS[TILES] = dataclasses.replace(table, **changes)
+        configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
         tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
         label = f"comm_sms={comm_sms} tiles={tiles}"
-        settings = OperatorSettings(precision="bf16", backend="fused", capacity_tokens_per_rank=args.tokens,
+        settings = OperatorSettings(precision=args.precision, backend="fused", capacity_tokens_per_rank=args.tokens,
                                     comm_sms=comm_sms, save_gemm1=args.save_gemm1)
 
         def call():
@@ -140,7 +143,7 @@ def main():
     if rank == 0:
         for label, r in results.items():
             what = "forward + backward" if args.backward else "forward"
-            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {what} {label}: {r['wall_ms']:.3f} ms per call, "
+            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {args.precision} {what} {label}: {r['wall_ms']:.3f} ms per call, "
                   f"{sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
             for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
                 print(f"    {ms:8.3f} ms  {name}")

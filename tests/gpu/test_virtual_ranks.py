@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from titan_megamoe.precision import get_precision
 from titan_megamoe.reference import max_row_error, relative_error
@@ -69,8 +70,9 @@ def _slot_rows(x, idx, w1, w2, w3) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _load_kernels_only():
-    """Kernel launches inside compile and load their kernels without running them.
+def _load_kernels_only(loaded: dict):
+    """Kernel launches inside compile and load their kernels without running them, into
+    ``loaded`` (name -> compiled kernel).
 
     Loading a module can wait for the GPU to go idle (CUDA's lazy-loading hazard for
     kernels that wait on each other): a kernel loaded at its first launch while another
@@ -83,6 +85,7 @@ def _load_kernels_only():
     def load_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         kernel._init_handles()
+        loaded[f"{self.__name__}/{len(loaded)}"] = kernel
         return kernel
 
     JITFunction.run = load_only
@@ -90,6 +93,27 @@ def _load_kernels_only():
         yield
     finally:
         JITFunction.run = launch
+
+
+def _reserve_local_memory(loaded: dict) -> None:
+    """Size the context's per-thread local memory for the largest frame among ``loaded``
+    now, while the device is idle. CUDA grows it at the first launch of a kernel whose
+    frame (register spills) is larger than any launched before, and growing waits for the
+    device to go idle: with virtual ranks, for another rank's kernel that waits for this
+    one."""
+    import ctypes
+
+    frame = max(4 * kernel.n_spills for kernel in loaded.values())
+    print("kernels (registers, local bytes): " + ", ".join(
+        f"{name} ({kernel.n_regs}, {4 * kernel.n_spills})" for name, kernel in loaded.items()), flush=True)
+    if frame == 0:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    stack_size_limit = 0  # CU_LIMIT_STACK_SIZE
+    current = ctypes.c_size_t()
+    assert cuda.cuCtxGetLimit(ctypes.byref(current), stack_size_limit) == 0
+    if current.value < frame:
+        assert cuda.cuCtxSetLimit(stack_size_limit, ctypes.c_size_t(frame)) == 0, frame
 
 
 def _synchronize() -> None:
@@ -124,12 +148,14 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool) -> None:
             reserve = [torch.empty(4 << 30, dtype=torch.uint8, device="cuda")]
             reserve += [torch.empty(512 << 10, dtype=torch.uint8, device="cuda") for _ in range(64)]
             del reserve
-    with _load_kernels_only():
+    loaded = {}
+    with _load_kernels_only(loaded):
         for r, (x, idx, w, dy) in enumerate(ranks):
             with torch.cuda.stream(group.ranks[r].stream):
                 dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
                 fused.moe_backward(dy, x, idx, w, *shards[r], dry[2], group.ranks[r], False, settings)
     _synchronize()
+    _reserve_local_memory(loaded)
     print(f"EP {ep} {kind}: buffers prepared, kernels loaded", flush=True)
 
     forward = []
@@ -187,7 +213,13 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool) -> None:
                 assert max_row_error(got, want) < ROW_TOLERANCE, (ep, kind, r, name, "worst row")
 
 
+def _case(rank: int, world: int, ep: int, kind: str) -> None:
+    _run(ep, kind, seed=ep * 10 + len(kind), save_gemm1=kind == "skewed")
+
+
 @pytest.mark.parametrize("ep", [4, 8])
 @pytest.mark.parametrize("kind", ["random", "skewed", "last_rank_starves", "empty_rank"])
 def test_virtual_ranks(ep, kind):
-    _run(ep, kind, seed=ep * 10 + len(kind), save_gemm1=kind == "skewed")
+    # A process per case: a stopped kernel ends the CUDA context, and each case's
+    # buffers and per-stream caches go with its process.
+    run_ranks(_case, 1, ep, kind, backend="nccl", timeout_s=300)
