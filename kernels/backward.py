@@ -100,6 +100,7 @@ def _quantized_wgrad(buffers: ForwardBuffers, fmt: Format, a, a_scales, a_stride
         A_SCALE_K=scale_k if a_scales is not None else 0, B_SCALE_K=scale_k if b_scales is not None else 0,
         TOKEN_BLOCK=fmt.activation_block[1], POWER_OF_TWO=fmt.power_of_two,
         BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, UPCAST_DOT=INTERPRET, num_warps=tiles.wgrad_warps,
+        num_stages=tiles.wgrad_stages,
     )
 
 

@@ -55,6 +55,7 @@ class TileConfig:
     wgrad_m: int = 128
     wgrad_n: int = 128
     wgrad_warps: int = 8
+    wgrad_stages: int = 2
     """Tiles of the quantized weight-gradient kernel (bf16 runs torch's grouped GEMM)."""
 
     def __post_init__(self):
@@ -89,7 +90,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=3,
         dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_warps=8,
+        wgrad_m=128, wgrad_n=128, wgrad_warps=8, wgrad_stages=2,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
     # half a block tall, as on the GPU.

@@ -23,18 +23,21 @@ from titan_megamoe.kernels.quantize import quantize_tile
 
 
 @triton.jit
-def _rows_as_fp32(t, t_scales, rows, cols, live, STRIDE: tl.constexpr, COLS: tl.constexpr,
-                  SCALE_K: tl.constexpr):
-    """``t[rows, cols]`` in fp32 (``t`` has rows of ``STRIDE`` elements, the first ``COLS``
-    of which are read); e4m3 times its scales (one per ``SCALE_K`` columns, rows of
-    ``cdiv(COLS, SCALE_K)``) when ``SCALE_K`` > 0. Rows not ``live`` and columns past
-    ``COLS`` read as 0."""
+def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.constexpr,
+                  BLOCK: tl.constexpr, SCALE_K: tl.constexpr):
+    """Columns ``[col0, col0 + BLOCK)`` of ``t[rows]`` in fp32 (``t`` has rows of ``STRIDE``
+    elements, the first ``COLS`` of which are read); e4m3 times its scales (one per
+    ``SCALE_K`` columns, rows of ``cdiv(COLS, SCALE_K)``) when ``SCALE_K`` > 0. Rows not
+    ``live`` and columns past ``COLS`` read as 0."""
+    cols = col0 + tl.arange(0, BLOCK)
     mask = live[:, None] & (cols[None, :] < COLS)
     v = tl.load(t + rows[:, None].to(tl.int64) * STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if SCALE_K > 0:
+        # One scale per row: loaded as a vector, not gathered per element (a [rows,
+        # BLOCK] fp32 gather would take four times the operand's shared memory).
+        tl.static_assert(SCALE_K % BLOCK == 0, "a weight-gradient tile must lie in one scale block")
         SCALE_COLS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
-        at = t_scales + rows[:, None].to(tl.int64) * SCALE_COLS + (cols // SCALE_K)[None, :]
-        v = v * tl.load(at, mask=mask, other=0.0)
+        v = v * tl.load(t_scales + rows.to(tl.int64) * SCALE_COLS + col0 // SCALE_K, mask=live, other=0.0)[:, None]
     return v
 
 
@@ -48,8 +51,8 @@ def wgrad_kernel(
     """``out [experts, M, N]`` (its own dtype) ``= A_e^T B_e``, ``A`` the first ``M``
     columns of rows of ``A_STRIDE``, ``B`` the first ``N`` of rows of ``B_STRIDE``."""
     expert = tl.program_id(0)
-    m_cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = tl.program_id(1) * BLOCK_M
+    n0 = tl.program_id(2) * BLOCK_N
     base = tl.load(local_base + expert)
     count = tl.load(local_rows + expert)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -57,8 +60,8 @@ def wgrad_kernel(
         offsets = t0 + tl.arange(0, TOKEN_BLOCK)
         rows = base + offsets
         live = offsets < count
-        av = _rows_as_fp32(a, a_scales, rows, m_cols, live, A_STRIDE, M, A_SCALE_K)
-        bv = _rows_as_fp32(b, b_scales, rows, n_cols, live, B_STRIDE, N, B_SCALE_K)
+        av = _rows_as_fp32(a, a_scales, rows, m0, live, A_STRIDE, M, BLOCK_M, A_SCALE_K)
+        bv = _rows_as_fp32(b, b_scales, rows, n0, live, B_STRIDE, N, BLOCK_N, B_SCALE_K)
         qa, sa = quantize_tile(tl.trans(av), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_M, TOKEN_BLOCK]
         qb, sb = quantize_tile(tl.trans(bv), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_N, TOKEN_BLOCK]
         if UPCAST_DOT:
@@ -66,6 +69,8 @@ def wgrad_kernel(
         else:
             part = tl.dot(qa.to(tl.bfloat16), tl.trans(qb.to(tl.bfloat16)))
         acc += part * sa * tl.trans(sb)
+    m_cols = m0 + tl.arange(0, BLOCK_M)
+    n_cols = n0 + tl.arange(0, BLOCK_N)
     mask = (m_cols[:, None] < M) & (n_cols[None, :] < N)
     at = out + expert.to(tl.int64) * M * N + m_cols[:, None] * N + n_cols[None, :]
     tl.store(at, acc.to(out.dtype.element_ty), mask=mask)
