@@ -17,6 +17,14 @@ SERVED_DTYPES = {
 }
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
+AUTO_PRECISIONS = {
+    "sm90": ("bf16",),
+    "interpret": ("bf16", "fp8", "mxfp8"),
+}
+"""Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
+fused layer the bench has measured faster than stock there. The others run fused when
+asked for (``backend = "fused"``) and go to the stock backend under ``auto``."""
+
 
 def arch(device: torch.device) -> tuple[str | None, str]:
     """``(tile-table architecture or None, what the device is)`` for ``device``."""
@@ -29,6 +37,19 @@ def arch(device: torch.device) -> tuple[str | None, str]:
     if torch.version.hip is not None:
         return None, f"{name}, a ROCm GPU (it reports compute capability {major}.{minor})"
     return arch_of((major, minor)), f"{name} (compute capability {major}.{minor})"
+
+
+def auto_unsupported_reason(
+    device: torch.device, dtype: torch.dtype, precision: Precision, ep_within_node: bool
+) -> str | None:
+    """Why ``auto`` does not pick the fused backend here (``unsupported_reason``, or a
+    precision not yet measured faster than stock), or None if it does."""
+    reason = unsupported_reason(device, dtype, precision, ep_within_node)
+    target, _ = arch(device)
+    if reason is None and precision.name not in AUTO_PRECISIONS[target]:
+        return (f"its {target} {precision.name} kernels are not yet measured faster than stock "
+                "(backend = 'fused' runs them)")
+    return reason
 
 
 def unsupported_reason(

@@ -52,13 +52,14 @@ class Backend:
 
     ``unsupported(device, dtype, precision, ep_within_node)`` says why it cannot run
     there, or None. ``op`` is what the custom ops run, None for ``stock`` (the layer
-    calls TorchTitan's path itself). ``auto`` backends are tried, in ``BACKENDS`` order,
-    by ``resolve_backend("auto", ...)``.
+    calls TorchTitan's path itself). ``auto`` says, in the same form, why
+    ``resolve_backend("auto", ...)`` passes this backend over (None: it never takes it);
+    backends are tried in ``BACKENDS`` order.
     """
 
     unsupported: Unsupported
     op: OpImpl | None
-    auto: bool
+    auto: Unsupported | None
 
 
 def _nothing_saved(x, topk_idx, w1, group, settings) -> tuple[int, int]:
@@ -102,6 +103,10 @@ def _fused_unsupported(*args) -> str | None:
     return fused_support.unsupported_reason(*args)
 
 
+def _fused_auto_unsupported(*args) -> str | None:
+    return fused_support.auto_unsupported_reason(*args)
+
+
 # titan_megamoe.stock imports TorchTitan, which the operator itself does not need.
 def _stock_unsupported(*args) -> str | None:
     from titan_megamoe import stock
@@ -110,10 +115,12 @@ def _stock_unsupported(*args) -> str | None:
 
 
 BACKENDS: dict[str, Backend] = {
-    "fused": Backend(_fused_unsupported, OpImpl(_fused_forward, _fused_backward, _fused_saved_shape), auto=True),
-    "stock": Backend(_stock_unsupported, op=None, auto=True),
+    "fused": Backend(
+        _fused_unsupported, OpImpl(_fused_forward, _fused_backward, _fused_saved_shape), auto=_fused_auto_unsupported
+    ),
+    "stock": Backend(_stock_unsupported, op=None, auto=_stock_unsupported),
     "reference": Backend(
-        lambda *_: None, OpImpl(_reference_forward, _reference_backward, _nothing_saved), auto=False
+        lambda *_: None, OpImpl(_reference_forward, _reference_backward, _nothing_saved), auto=None
     ),
 }
 """Every backend by name; ``auto`` takes the first ``auto`` one that can run."""
@@ -137,9 +144,9 @@ def resolve_backend(
     if requested == "auto":
         skipped = []
         for name, backend in BACKENDS.items():
-            if not backend.auto:
+            if backend.auto is None:
                 continue
-            reason = backend.unsupported(device, dtype, precision, ep_within_node)
+            reason = backend.auto(device, dtype, precision, ep_within_node)
             if reason is None:
                 return name, "auto" + "".join(f"; skipped {s}" for s in skipped)
             skipped.append(f"{name}: {reason}")

@@ -139,6 +139,12 @@ def _fused_runs_bf16_only(device, dtype, precision, ep_within_node):
     return None if dtype == torch.bfloat16 else f"test: no {dtype} kernels"
 
 
+def _fused_checked_by(check, monkeypatch):
+    """The fused backend runs where ``check`` says, as on an H100/H200."""
+    monkeypatch.setattr(fused_support, "unsupported_reason", check)
+    monkeypatch.setattr(fused_support, "arch", lambda device: ("sm90", "a test GPU"))
+
+
 @pytest.mark.parametrize(
     "param_dtype, dp_shard, expected",
     [("bfloat16", 2, "fused"), ("float32", 2, "stock"), ("bfloat16", 1, "stock")],  # 1: AMP, fp32 weights
@@ -146,7 +152,7 @@ def _fused_runs_bf16_only(device, dtype, precision, ep_within_node):
 def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shard, expected, monkeypatch, caplog):
     from torchtitan.distributed import ParallelDims
 
-    monkeypatch.setattr(fused_support, "unsupported_reason", _fused_runs_bf16_only)
+    _fused_checked_by(_fused_runs_bf16_only, monkeypatch)
     monkeypatch.setattr(stock, "unsupported_reason", lambda *_: None)
     dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=dp_shard)
     job = parse(f"--training.mixed_precision_param={param_dtype}")
@@ -171,7 +177,7 @@ def test_fused_layer_runs_stock_for_a_dtype_fused_cannot_run_only_under_auto(aut
         stock_calls.append(1)
         return real_routed_experts(*args)
 
-    monkeypatch.setattr(fused_support, "unsupported_reason", fused_check)
+    _fused_checked_by(fused_check, monkeypatch)
     monkeypatch.setattr(stock, "routed_experts", routed_experts)
     converter = MegaMoEConverter(parse("--mega_moe.backend=reference"), None)
     # As the converter leaves it when auto chose fused for bf16 experts, or fused was asked for.

@@ -75,8 +75,9 @@ def test_auto_takes_fused_else_stock_never_reference(fused_reason, stock_reason,
         return fused_reason
 
     monkeypatch.setattr(fused_support, "unsupported_reason", fused_check)
+    monkeypatch.setattr(fused_support, "arch", lambda device: ("sm90", "a test GPU"))
     monkeypatch.setattr(stock, "unsupported_reason", lambda *_: stock_reason)
-    where = (torch.device("cuda"), torch.bfloat16, get_precision("fp8"), False)
+    where = (torch.device("cuda"), torch.bfloat16, get_precision("bf16"), False)
     if expected is None:
         with pytest.raises(NotImplementedError, match="backend = 'auto' found no backend that can run here: "
                                                       "fused: test: no GPU; stock: test: no stock"):
@@ -86,6 +87,21 @@ def test_auto_takes_fused_else_stock_never_reference(fused_reason, stock_reason,
     assert asked == [where]
     assert backend == expected
     assert why == ("auto" if expected == "fused" else "auto; skipped fused: test: no GPU")
+
+
+def test_auto_gives_fused_only_precisions_measured_faster(monkeypatch):
+    from titan_megamoe import stock
+
+    monkeypatch.setattr(fused_support, "unsupported_reason", lambda *_: None)
+    monkeypatch.setattr(fused_support, "arch", lambda device: ("sm90", "a test GPU"))
+    monkeypatch.setattr(stock, "unsupported_reason", lambda *_: None)
+    monkeypatch.setitem(fused_support.AUTO_PRECISIONS, "sm90", ("bf16",))
+    where = (torch.device("cuda"), torch.bfloat16)
+    assert resolve_backend("auto", *where, get_precision("bf16")) == ("fused", "auto")
+    assert resolve_backend("auto", *where, get_precision("fp8")) == (
+        "stock", "auto; skipped fused: its sm90 fp8 kernels are not yet measured faster than stock "
+                 "(backend = 'fused' runs them)")
+    assert resolve_backend("fused", *where, get_precision("fp8")) == ("fused", "asked for")
 
 
 def test_named_backend_runs_or_says_why(monkeypatch):
