@@ -13,6 +13,7 @@ from torchtitan.models.qwen3 import qwen3_args
 
 REDUCED_DEPTH_FLAVORS: dict[str, tuple[str, int]] = {
     "30B-A3B-4L": ("30B-A3B", 4),
+    "30B-A3B-12L": ("30B-A3B", 12),
     "235B-A22B-2L": ("235B-A22B", 2),
 }
 """Flavor name -> (base flavor, number of transformer blocks)."""

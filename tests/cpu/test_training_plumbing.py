@@ -87,6 +87,7 @@ def test_dataloader_feeds_two_dp_ranks_different_tokens(tokenizer):
 def test_reduced_flavors_keep_layer_shapes():
     assert models.REDUCED_DEPTH_FLAVORS == {
         "30B-A3B-4L": ("30B-A3B", 4),
+        "30B-A3B-12L": ("30B-A3B", 12),
         "235B-A22B-2L": ("235B-A22B", 2),
     }
     importlib.reload(models)  # registering twice is harmless
@@ -109,6 +110,7 @@ MODEL_CONFIGS = {
     "qwen3_30b_a3b": ("30B-A3B", 8),
     "qwen3_235b_a22b": ("235B-A22B", 8),
     "qwen3_30b_a3b_4l": ("30B-A3B-4L", 2),
+    "qwen3_30b_a3b_12l": ("30B-A3B-12L", 2),
     "qwen3_235b_a22b_2l": ("235B-A22B-2L", 2),
 }
 VARIANT_CONVERTERS = {
@@ -116,7 +118,7 @@ VARIANT_CONVERTERS = {
     "mega_moe": ["mega_moe"],
     "fp8": ["quantize.grouped_mm.float8", "mega_moe"],
 }
-REDUCED = {"qwen3_30b_a3b_4l", "qwen3_235b_a22b_2l"}
+REDUCED = {"qwen3_30b_a3b_4l", "qwen3_30b_a3b_12l", "qwen3_235b_a22b_2l"}
 
 
 def parse_toml(path: Path, *overrides: str):
@@ -142,8 +144,8 @@ def test_train_config_parses(path: Path):
     if variant == "fp8":
         assert config.quantize.grouped_mm.float8.fqns == ["experts"]
     assert (config.mega_moe.precision, config.mega_moe.backend) == ("auto", "auto")
-    # Only the 4-layer 30B-A3B A/B keeps GEMM1's pre-activations (full AC holds one layer's).
-    assert config.mega_moe.save_gemm1 is (path.stem == "qwen3_30b_a3b_4l_mega_moe")
+    # Only the reduced 30B-A3B A/Bs keep GEMM1's pre-activations (full AC holds one layer's).
+    assert config.mega_moe.save_gemm1 is (path.stem in {"qwen3_30b_a3b_4l_mega_moe", "qwen3_30b_a3b_12l_mega_moe"})
     assert config.training.dataset == data.DATASET_NAME
     assert (REPO / config.model.hf_assets_path).resolve() == Path(data.TOKENIZER_DIR)
     assert config.metrics.log_freq == 1
