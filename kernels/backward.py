@@ -33,7 +33,7 @@ import torch
 import triton
 
 from titan_megamoe.kernels.backward_dispatch_gemm1 import dispatch_grad_gemm1_kernel
-from titan_megamoe.kernels.configs import INTERPRET
+from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.forward import (
     TRITON_DTYPES,
     ForwardBuffers,
@@ -57,13 +57,20 @@ from titan_megamoe.precision import Format
 class GradBuffers:
     """What the backward adds to a ``ForwardBuffers`` (same group and shape), allocated on
     the first backward: symmetric receive buffers for the ``dy`` rows and the scores, and
-    the buffer the owners return score gradients into."""
+    the buffer the owners return score gradients into. ``tiles``: the backward kernels'
+    row of the tile table (its format's), with the forward's ``block_m``."""
 
-    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, grad_format: Format):
+    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, grad_format: Format,
+                 tiles: TileConfig):
         shape = forward.shape
         rows = forward.recv.shape[0]
+        if tiles.block_m != forward.tiles.block_m:
+            raise ValueError(f"the backward's tiles have block_m = {tiles.block_m}, the forward's "
+                             f"{forward.tiles.block_m}: both kernels read one receive layout")
+        self.tiles = tiles
         self.grad_format = grad_format
-        """Format the ``dy`` rows cross the link in (the dgrad GEMMs')."""
+        """Format of the backward's GEMM operands (dgrad and weight gradients): the ``dy``
+        rows cross the link in it."""
         scale_k = grad_format.activation_block[1] if grad_format.quantized else 0
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs = row_buffer(
             symmetric, rows, shape.hidden, shape.dtype, scale_k)
@@ -76,22 +83,23 @@ class GradBuffers:
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
-def per_call_bytes(forward: ForwardBuffers) -> int:
+def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Bytes a backward call takes from the caching allocator besides its outputs: ``dab``,
     the score-gradient parts and the transposed weights (the GEMMs read every operand
     K-major)."""
-    shape, tiles = forward.shape, forward.tiles
+    shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     parts = triton.cdiv(shape.inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * shape.inter * shape.hidden
     return (rows * 2 * shape.inter + weights) * shape.dtype.itemsize + rows * 4 * parts
 
 
-def _quantized_wgrad(buffers: ForwardBuffers, fmt: Format, a, a_scales, a_stride: int, b, b_scales,
-                     b_stride: int, out: torch.Tensor) -> None:
+def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, a, a_scales, a_stride: int, b,
+                     b_scales, b_stride: int, out: torch.Tensor) -> None:
     """``out[e] = A_e^T B_e`` over each local expert's rows, both operands quantized
-    along the rows in ``fmt`` (``wgrad_kernel``); ``out [experts, M, N]`` gives M and N."""
-    tiles, scale_k = buffers.tiles, buffers.shape.row_scale_k
+    along the rows in ``fmt`` (``wgrad_kernel``); an operand with scales holds e4m3 rows
+    in ``fmt``'s row blocks. ``out [experts, M, N]`` gives M and N."""
+    scale_k = fmt.activation_block[1]
     experts, m, n = out.shape
     grid = (experts, triton.cdiv(m, tiles.wgrad_m), triton.cdiv(n, tiles.wgrad_n))
     wgrad_kernel[grid](
@@ -122,7 +130,7 @@ def fused_backward(
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
     forward's saved pre-activations (``preact_shape``), or None to recompute GEMM1."""
-    shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
+    shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
     if preact is not None and tuple(preact.shape) != preact_shape(shape, tiles):
@@ -137,9 +145,13 @@ def fused_backward(
     block_n = tiles.grad1_n if preact is None else tiles.grad1_saved_n
     parts = triton.cdiv(shape.inter, block_n)
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
-    fmt, scale_k = shape.row_format, shape.row_scale_k
-    # Quantized, ``h`` holds GEMM2's e4m3 operand: the weight gradients get their own.
-    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if scale_k else buffers.h
+    # The expert inputs cross (and GEMM1 is recomputed) in the forward's format; dy, the
+    # dgrad GEMMs and the weight gradients are in the backward's.
+    x_fmt, x_scale_k = shape.row_format, shape.row_scale_k
+    fmt = grad.grad_format
+    scale_k = fmt.activation_block[1] if fmt.quantized else 0
+    # A quantized forward keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
+    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_scale_k else buffers.h
     # K-major copies of the weights as the backward's GEMMs read them.
     experts = shape.local_experts
     w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
@@ -150,13 +162,14 @@ def fused_backward(
     w1_scales = w3_scales = w2t_scales = w13t_scales = None
     x_scales = dy_scales = dab_q = dab_scales = None
     sent, dy_sent = x, dy
+    if x_scale_k:
+        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt)
+        if not score_before_experts:
+            sent, x_scales = quantize_rows(x, x_scale_k, x_fmt.power_of_two)
     if scale_k:
         # The transposes are quantized in their own orientation: a weight block need not be
         # square (MX's are 1 x 32), so the forward's scales do not carry over.
-        (w1, w1_scales), (w3, w3_scales), (w2t, w2t_scales), (w13t, w13t_scales) = quantize_weights(
-            [w1, w3, w2t, w13t], fmt)
-        if not score_before_experts:
-            sent, x_scales = quantize_rows(x, scale_k, fmt.power_of_two)
+        (w2t, w2t_scales), (w13t, w13t_scales) = quantize_weights([w2t, w13t], fmt)
         dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
         dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
         dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
@@ -175,8 +188,10 @@ def fused_backward(
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
-        UPCAST_DOT=INTERPRET, X_SCALE_K=scale_k, GRAD_SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
-        POWER_OF_TWO=fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype], ZERO_PADDING=not scale_k,
+        UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
+        W_SCALE_N=(fmt if scale_k else x_fmt).weight_block[0],
+        POWER_OF_TWO=(fmt if scale_k else x_fmt).power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        ZERO_PADDING=not scale_k,
         num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
@@ -193,7 +208,7 @@ def fused_backward(
 
     if scale_k:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
-        wgrad = functools.partial(_quantized_wgrad, buffers, fmt)
+        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt)
         wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, dw2)
         wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw1)
         wgrad(dab[:, shape.inter:], None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw3)

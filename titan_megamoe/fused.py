@@ -105,10 +105,12 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
     if id(buffers) not in _GRAD_BUFFERS:
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
         allocate = symm.allocator(group, buffers.recv.device, sized_for)
-        grad = GradBuffers(buffers, allocate, settings.precision.dgrad)
+        dgrad = settings.precision.dgrad
+        target, _ = fused_support.arch(buffers.recv.device)
+        grad = GradBuffers(buffers, allocate, dgrad, tile_config(target, dgrad.name))
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
-            f"plus {per_call_bytes(buffers) / 2**30:.2f} GiB per backward call"
+            f"plus {per_call_bytes(buffers, grad) / 2**30:.2f} GiB per backward call"
         )
         _GRAD_BUFFERS[id(buffers)] = grad
     return _GRAD_BUFFERS[id(buffers)]

@@ -9,7 +9,7 @@ dtypes listed in ``SERVED_DTYPES``, with the EP group's GPUs on one node.
 import torch
 
 from titan_megamoe.kernels.configs import INTERPRET, TILE_CONFIGS, arch_of
-from titan_megamoe.precision import Precision
+from titan_megamoe.precision import NATIVE, Precision
 
 SERVED_DTYPES = {
     "sm90": (torch.bfloat16,),
@@ -19,7 +19,7 @@ SERVED_DTYPES = {
 
 AUTO_PRECISIONS = {
     "sm90": ("bf16",),
-    "interpret": ("bf16", "fp8", "mxfp8"),
+    "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than stock there. The others run fused when
@@ -63,10 +63,10 @@ def unsupported_reason(
     if target is None:
         rows = ", ".join(sorted({a for a, _ in TILE_CONFIGS} - {"interpret"}))
         return f"the tile table has no row for {described}; it has: {rows} (H100/H200)"
-    if len(set(precision.formats)) > 1:
+    if precision.dgrad != precision.wgrad or precision.forward not in (NATIVE, precision.dgrad):
         return (f"precision {precision.name!r} mixes formats (forward {precision.forward.name}, "
                 f"backward {precision.dgrad.name} / {precision.wgrad.name}); the fused kernels run one "
-                "format throughout so far")
+                "format throughout, or a native forward with one backward format")
     missing = sorted({f.name for f in precision.formats if (target, f.name) not in TILE_CONFIGS})
     if missing:
         return (f"precision {precision.name!r} needs {', '.join(missing)} GEMM kernels, which the "

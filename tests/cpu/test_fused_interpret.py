@@ -219,8 +219,8 @@ def _check_refusals(rank, world):
     small = _settings().replace(capacity_tokens_per_rank=8)
     with pytest.raises(ValueError, match="9 tokens exceed capacity_tokens_per_rank = 8"):
         fused.moe_forward(x, idx, w, w1, w2, w3, None, False, small)
-    with pytest.raises(NotImplementedError, match="precision 'fp8_bwd' mixes formats"):
-        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="fp8_bwd"))
+    with pytest.raises(NotImplementedError, match="precision 'mxfp8_wgrad_bf16' mixes formats"):
+        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="mxfp8_wgrad_bf16"))
     group = VirtualGroup(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="capacity_tokens_per_rank = 0 with EP = 2"):
         fused.moe_forward(x, idx, w, w1[:4], w2[:4], w3[:4], group.ranks[0], False,
@@ -326,7 +326,7 @@ def test_fused_backend_compiles_fullgraph(monkeypatch):
 
 def _quantized_matches_reference(rank, world, precision):
     """The quantized forward (rows quantized once at the source, scaled GEMM1, h quantized
-    in its epilogue, scaled GEMM2) and backward (dy quantized once per token, GEMM1
+    in its epilogue, scaled GEMM2; fp8_bwd: the bf16 forward) and backward (dy quantized once per token, GEMM1
     recomputed scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its
     epilogue, scaled dgrad, weight gradients requantized along the tokens) against the
     same-precision reference: the same quantized values, so only fp32 summation order
@@ -367,7 +367,7 @@ def _quantized_matches_reference(rank, world, precision):
                 assert worst < 3e-2, (case, name, worst)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8"])
 def test_quantized_matches_reference(precision, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_quantized_matches_reference, 1, precision, timeout_s=900)
