@@ -69,3 +69,26 @@ def test_tile_table_lookups(monkeypatch):
     assert configs.tile_config("sm90", "native").block_m == 128
     with pytest.raises(ValueError, match=r"architecture 'sm100' and format 'mxfp8'; rows: \(sm90, native\)"):
         configs.tile_config("sm100", "mxfp8")
+
+
+def test_tile_rows_meet_the_kernels_constraints():
+    """What the kernels assert at compile time, checked for every row of the table: a
+    GPU row that breaks one fails only when its kernels first compile there."""
+    from titan_megamoe.kernels import configs
+    from titan_megamoe.precision import FORMATS
+
+    for (arch, fmt_name), tiles in configs.TILE_CONFIGS.items():
+        row = (arch, fmt_name)
+        assert tiles.block_m % tiles.gemm1_m == 0 and tiles.block_m % tiles.grad1_m == 0, row
+        # Precisions whose passes use two rows of one architecture read one receive layout.
+        assert tiles.block_m == configs.TILE_CONFIGS[arch, "native"].block_m, row
+        fmt = FORMATS[fmt_name]
+        if not fmt.quantized:
+            continue
+        scale_k = fmt.activation_block[1]
+        # Epilogues store h and [da | db] in whole scale blocks.
+        for field in ("gemm1_n", "grad1_n", "grad1_saved_n", "copy_cols"):
+            assert getattr(tiles, field) % scale_k == 0, (row, field)
+        # A mainloop step stays inside one scale block; so does a weight-gradient tile.
+        for field in ("gemm1_k", "gemm2_k", "grad1_k", "dgrad_k", "wgrad_m", "wgrad_n"):
+            assert scale_k % getattr(tiles, field) == 0, (row, field)
