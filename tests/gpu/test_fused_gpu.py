@@ -1,5 +1,5 @@
 """The fused forward and backward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts),
-in bf16 and fp8, against the same-precision reference backend and an fp32 reference
+in bf16, fp8 and fp8_bwd, against the same-precision reference backend and an fp32 reference
 (output and every gradient, each by its global and its worst-row error): adversarial
 routings, both score modes, GEMM1 recomputed and saved, poisoned buffers, determinism,
 no host synchronisation."""
