@@ -71,9 +71,8 @@ class GradBuffers:
         self.grad_format = grad_format
         """Format of the backward's GEMM operands (dgrad and weight gradients): the ``dy``
         rows cross the link in it."""
-        scale_k = grad_format.activation_block[1] if grad_format.quantized else 0
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, scale_k)
+            symmetric, rows, shape.hidden, shape.dtype, grad_format.row_scale_k)
         self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
 
@@ -149,7 +148,10 @@ def fused_backward(
     # dgrad GEMMs and the weight gradients are in the backward's.
     x_fmt, x_scale_k = shape.row_format, shape.row_scale_k
     fmt = grad.grad_format
-    scale_k = fmt.activation_block[1] if fmt.quantized else 0
+    scale_k = fmt.row_scale_k
+    # The backward's first kernel takes one weight block and rounding rule: the backward's,
+    # or the forward's where only GEMM1 is quantized (never both: ``fused_support``).
+    w_fmt = fmt if scale_k else x_fmt
     # A quantized forward keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
     h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_scale_k else buffers.h
     # K-major copies of the weights as the backward's GEMMs read them.
@@ -189,8 +191,7 @@ def fused_backward(
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
-        W_SCALE_N=(fmt if scale_k else x_fmt).weight_block[0],
-        POWER_OF_TWO=(fmt if scale_k else x_fmt).power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        W_SCALE_N=w_fmt.weight_block[0], POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not scale_k,
         num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
     )

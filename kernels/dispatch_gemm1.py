@@ -168,8 +168,8 @@ def dispatch_gemm1_kernel(
     ACT_DTYPE: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
-    intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]`` into ``preact``
-    ``[rows, 2 * INTER]`` for the backward.
+    intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]``
+    into ``preact`` ``[rows, 2 * INTER]`` for the backward.
 
     ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
     ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``

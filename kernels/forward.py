@@ -52,7 +52,7 @@ class ForwardShape:
     @property
     def row_scale_k(self) -> int:
         """Elements per scale along the rows (0: unquantized)."""
-        return self.row_format.activation_block[1] if self.row_format.quantized else 0
+        return self.row_format.row_scale_k
 
     @property
     def rows_per_rank(self) -> int:

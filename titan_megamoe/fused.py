@@ -29,6 +29,7 @@ from titan_megamoe import fused_support, symm
 from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
 from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
+from titan_megamoe.precision import Format
 from titan_megamoe.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ _GRAD_BUFFERS: dict[int, GradBuffers] = {}
 """Backward buffers, by ``id`` of the forward buffers they extend."""
 
 
-def _tiles(device: torch.device, settings: OperatorSettings) -> TileConfig:
+def _tiles(device: torch.device, fmt: Format) -> TileConfig:
+    """The tile-table row of the kernels whose GEMMs run in ``fmt`` on ``device``."""
     target, _ = fused_support.arch(device)
-    return tile_config(target, settings.precision.forward.name)
+    return tile_config(target, fmt.name)
 
 
 def _check_runs(x: torch.Tensor, settings: OperatorSettings) -> None:
@@ -78,7 +80,7 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
 
 
 def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, settings: OperatorSettings) -> ForwardBuffers:
-    tiles = _tiles(device, settings)
+    tiles = _tiles(device, settings.precision.forward)
     sized_by_call = not settings.capacity_tokens_per_rank
     key_shape = dataclasses.replace(shape, capacity_tokens_per_rank=0) if sized_by_call else shape
     key = ("" if group is None else group.group_name, str(device), key_shape, settings.precision.name, tiles)
@@ -106,8 +108,7 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
         allocate = symm.allocator(group, buffers.recv.device, sized_for)
         dgrad = settings.precision.dgrad
-        target, _ = fused_support.arch(buffers.recv.device)
-        grad = GradBuffers(buffers, allocate, dgrad, tile_config(target, dgrad.name))
+        grad = GradBuffers(buffers, allocate, dgrad, _tiles(buffers.recv.device, dgrad))
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
             f"plus {per_call_bytes(buffers, grad) / 2**30:.2f} GiB per backward call"
@@ -193,7 +194,7 @@ def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) 
     GEMM1 is recomputed instead)."""
     if not settings.save_gemm1:
         return 0, 2 * w1.shape[1]
-    return preact_shape(_shape(x, topk_idx, w1, group, settings), _tiles(x.device, settings))
+    return preact_shape(_shape(x, topk_idx, w1, group, settings), _tiles(x.device, settings.precision.forward))
 
 
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,

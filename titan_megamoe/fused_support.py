@@ -45,11 +45,13 @@ def auto_unsupported_reason(
     """Why ``auto`` does not pick the fused backend here (``unsupported_reason``, or a
     precision not yet measured faster than stock), or None if it does."""
     reason = unsupported_reason(device, dtype, precision, ep_within_node)
+    if reason is not None:
+        return reason
     target, _ = arch(device)
-    if reason is None and precision.name not in AUTO_PRECISIONS[target]:
+    if precision.name not in AUTO_PRECISIONS[target]:
         return (f"its {target} {precision.name} kernels are not yet measured faster than stock "
                 "(backend = 'fused' runs them)")
-    return reason
+    return None
 
 
 def unsupported_reason(

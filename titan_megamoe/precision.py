@@ -38,6 +38,11 @@ class Format:
     def quantized(self) -> bool:
         return self.element != "native"
 
+    @property
+    def row_scale_k(self) -> int:
+        """Elements per scale along a row of activations or gradients (0: unquantized)."""
+        return self.activation_block[1] if self.quantized else 0
+
     def block(self, is_weight: bool) -> tuple[int, int]:
         """The scale block of a weight operand or of an activation / gradient operand."""
         return self.weight_block if is_weight else self.activation_block

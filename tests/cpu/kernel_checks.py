@@ -67,7 +67,7 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         _padded_rows(a, m_pad), _padded_rows(a_scales, m_pad), b, b_scales, b2, b2_scales, out, out2,
         m, expert,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
-        SCALE_K=fmt.activation_block[1] if fmt.quantized else 0,
+        SCALE_K=fmt.row_scale_k,
         B_SCALE_N=fmt.weight_block[0] if fmt.quantized else 0,
         UPCAST_DOT=INTERPRET, **launch,
     )
