@@ -22,9 +22,9 @@ One call (all on the current stream, no host synchronisation):
 
 Quantized (fp8): ``x`` and ``dy`` are quantized once per token before the first kernel,
 the weights and their transposes (each in its own orientation) on every call for now,
-the dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run in
-``wgrad_kernel`` (operands quantized along the rows, as the spec says) instead of
-torch's grouped GEMM.
+the dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run in fp8
+on token-major copies of their operands quantized along the rows, as the spec says
+(``kernels.wgrad``), instead of torch's grouped GEMM.
 """
 
 import functools
@@ -50,7 +50,7 @@ from titan_megamoe.kernels.forward import (
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.transpose import transpose_into
-from titan_megamoe.kernels.wgrad import wgrad_kernel
+from titan_megamoe.kernels.wgrad import token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format
 
 
@@ -83,31 +83,75 @@ class GradBuffers:
 
 
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
-    """Bytes a backward call takes from the caching allocator besides its outputs: ``dab``,
-    the score-gradient parts and the transposed weights (the GEMMs read every operand
-    K-major)."""
+    """Most bytes a backward call takes from the caching allocator besides its outputs:
+    ``dab``, the score-gradient parts and the transposed weights (the GEMMs read every
+    operand K-major); quantized, also the e4m3 copies of ``dab``, of the weights and of
+    ``dy``, ``h`` for the weight gradients, and the larger pair of token-major copies."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
-    parts = triton.cdiv(shape.inter, tiles.grad1_n)
-    weights = 3 * shape.local_experts * shape.inter * shape.hidden
-    return (rows * 2 * shape.inter + weights) * shape.dtype.itemsize + rows * 4 * parts
+    hidden, inter = shape.hidden, shape.inter
+    parts = triton.cdiv(inter, tiles.grad1_n)
+    weights = 3 * shape.local_experts * inter * hidden
+    total = (rows * 2 * inter + weights) * shape.dtype.itemsize + rows * 4 * parts
+    if shape.row_scale_k:
+        total += rows * inter * shape.dtype.itemsize + 2 * weights // 3
+    scale_k = grad.grad_format.row_scale_k
+    if scale_k:
+        scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
+        kt = _token_major_length(shape, grad.grad_format)
+        token_major = kt * max(hidden + inter, 2 * inter + hidden)
+        total += int((rows * 2 * inter + weights + shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
+    return total
 
 
-def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, a, a_scales, a_stride: int, b,
-                     b_scales, b_stride: int, out: torch.Tensor) -> None:
-    """``out[e] = A_e^T B_e`` over each local expert's rows, both operands quantized
-    along the rows in ``fmt`` (``wgrad_kernel``); an operand with scales holds e4m3 rows
-    in ``fmt``'s row blocks. ``out [experts, M, N]`` gives M and N."""
-    scale_k = fmt.activation_block[1]
-    experts, m, n = out.shape
-    grid = (experts, triton.cdiv(m, tiles.wgrad_m), triton.cdiv(n, tiles.wgrad_n))
+def _token_major_length(shape, fmt: Format) -> int:
+    """Tokens along a token-major copy: every row any routing can bring, each local
+    expert's padded to whole token blocks."""
+    token_block = fmt.activation_block[1]
+    return token_block * (triton.cdiv(shape.ep * shape.rows_per_rank, token_block) + shape.local_experts)
+
+
+def _token_major(buffers: ForwardBuffers, fmt: Format, block_start: torch.Tensor, kt: int, t, t_scales,
+                 stride: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``cols`` columns of the rows ``t`` (rows of ``stride``; e4m3 in ``fmt``'s
+    row blocks when ``t_scales`` is given) as ``token_major_kernel`` lays them out:
+    ``([cols, kt] e4m3, [cols, kt / token block] scales)``."""
+    token_block = fmt.activation_block[1]
+    out = torch.empty(cols, kt, dtype=torch.float8_e4m3fn, device=t.device)
+    scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
+    shape = buffers.shape
+    grid = (kt // token_block, triton.cdiv(cols, token_block))
+    token_major_kernel[grid](
+        t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
+        STRIDE=stride, COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
+        TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=token_block,
+        LOCAL_PAD=pad(shape.local_experts), num_warps=4,
+    )
+    return out, scales
+
+
+def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, a, a_scales, a_cols: int,
+                     b, b_scales, b_cols: int, outs: tuple[torch.Tensor, ...]) -> None:
+    """``A_e^T B_e`` over each local expert's rows, both operands quantized along the
+    rows in ``fmt`` (``kernels.wgrad``), into ``outs``: one ``[experts, a_cols, b_cols]``, or
+    two that split the ``a_cols`` rows in halves. ``a``, ``b``: rows whose first
+    ``a_cols`` / ``b_cols`` columns are read; an operand with scales holds e4m3 rows in
+    ``fmt``'s row blocks."""
+    shape = buffers.shape
+    token_block = fmt.activation_block[1]
+    # Each expert's rows, zero-padded to whole token blocks, packed one expert after another.
+    blocks = (buffers.local_rows + token_block - 1) // token_block
+    block_start = torch.zeros(shape.local_experts + 1, dtype=torch.int32, device=a.device)
+    torch.cumsum(blocks, 0, out=block_start[1:])
+    kt = _token_major_length(shape, fmt)
+    at, at_scales = _token_major(buffers, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
+    bt, bt_scales = _token_major(buffers, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
+    grid = (shape.local_experts, triton.cdiv(a_cols, tiles.wgrad_m), triton.cdiv(b_cols, tiles.wgrad_n))
     wgrad_kernel[grid](
-        a, a_scales, b, b_scales, out, buffers.local_base, buffers.local_rows,
-        M=m, N=n, A_STRIDE=a_stride, B_STRIDE=b_stride,
-        A_SCALE_K=scale_k if a_scales is not None else 0, B_SCALE_K=scale_k if b_scales is not None else 0,
-        TOKEN_BLOCK=fmt.activation_block[1], POWER_OF_TWO=fmt.power_of_two,
-        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, UPCAST_DOT=INTERPRET, num_warps=tiles.wgrad_warps,
-        num_stages=tiles.wgrad_stages,
+        at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
+        M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,
+        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, UPCAST_DOT=INTERPRET,
+        num_warps=tiles.wgrad_warps, num_stages=tiles.wgrad_stages,
     )
 
 
@@ -203,16 +247,18 @@ def fused_backward(
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], num_warps=tiles.dgrad_warps,
+        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
+        OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
 
     if scale_k:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
+        # One after the other, so that the first pair of token-major copies is freed
+        # before the second is made.
         wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt)
-        wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, dw2)
-        wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw1)
-        wgrad(dab[:, shape.inter:], None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, dw3)
+        wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
+        wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, (dw1, dw3))
     else:
         bm = tiles.block_m
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)

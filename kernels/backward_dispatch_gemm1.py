@@ -103,7 +103,7 @@ def dispatch_grad_gemm1_kernel(
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
-            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, INTER, HIDDEN,
+            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, 0, HIDDEN, INTER, HIDDEN,
             TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, UPCAST_DOT,
         )
 

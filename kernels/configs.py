@@ -54,15 +54,25 @@ class TileConfig:
     """Square tile of the backward's weight transposes."""
     wgrad_m: int = 128
     wgrad_n: int = 128
+    wgrad_k: int = 128
+    """Tokens per K step; divides the format's token block."""
     wgrad_warps: int = 8
-    wgrad_stages: int = 2
-    """Tiles of the quantized weight-gradient kernel (bf16 runs torch's grouped GEMM)."""
+    wgrad_stages: int = 3
+    """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
+    gemm2_overlap: int = 1
+    """1: GEMM2's tile loop is flattened into its K loop, so the next tile's loads overlap
+    this tile's epilogue (more registers); 0: tiles one after another."""
+    dgrad_overlap: int = 1
+    """The same for the dgrad GEMM."""
 
     def __post_init__(self):
         for name in ("gemm1_m", "grad1_m"):
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
+        for name in ("gemm2_overlap", "dgrad_overlap"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
 
 
 TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
@@ -82,15 +92,17 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # the backward's first kernel store h and [da | db] in 1x128 blocks, so their tiles
     # are 128 columns wide and 64 rows tall (four 64x128 fp32 tiles in 256 threads: 128
     # registers). GEMM2 and dgrad 128x128 as in the plain blockwise-fp8 grouped GEMM
-    # measured at 613-835 TFLOP/s (docs/perf.md, v9).
+    # measured at 613-835 TFLOP/s (docs/perf.md, v9), without the flattened tile loop
+    # (with it, the second accumulator spills), and the backward's first kernel in 2
+    # stages (3 take 240 KB of shared memory when fp8_bwd recomputes GEMM1 in bf16).
     ("sm90", "fp8_block"): TileConfig(
         block_m=128,
         gemm1_m=64, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
-        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
-        grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=3,
-        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
+        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4, gemm2_overlap=0,
+        grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
+        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4, dgrad_overlap=0,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_warps=8, wgrad_stages=2,
+        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
     # half a block tall, as on the GPU.
@@ -109,7 +121,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_warps=4,
+        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
     ),
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
@@ -118,7 +130,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_warps=4,
+        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

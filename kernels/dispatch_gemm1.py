@@ -233,6 +233,6 @@ def gate_up(
     """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``, in one
     mainloop (both weights share each tile of ``x``); scaled when ``SCALE_K`` > 0."""
     return tile_gemm(
-        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, cols, INTER, HIDDEN,
+        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, cols, 0, HIDDEN, INTER, HIDDEN,
         BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, UPCAST_DOT,
     )

@@ -49,16 +49,19 @@ def rows_gemm_combine_kernel(
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
+    OVERLAP: tl.constexpr,
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
-    e4m3, scaled as ``tile_gemm`` describes."""
+    e4m3, scaled as ``tile_gemm`` describes. ``OVERLAP``: flatten the tile loop into the K
+    loop (below)."""
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
     out_dtype = combine.dtype.element_ty
     elem: tl.constexpr = out_dtype.primitive_bitwidth // 8
     # A static stride (not a shared tile counter) lets the compiler flatten the tile and
-    # K loops into one pipeline: the next tile's loads overlap this tile's epilogue.
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+    # K loops into one pipeline: the next tile's loads overlap this tile's epilogue, at
+    # the cost of registers.
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=OVERLAP):
         row0 = (tile // n_tiles) * BLOCK_M
         n0 = (tile % n_tiles) * BLOCK_N
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
@@ -68,7 +71,7 @@ def rows_gemm_combine_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
-            a, a_scales, rows, w, w_scales, None, None, le, cols, N, K,
+            a, a_scales, rows, w, w_scales, None, None, le, cols, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, UPCAST_DOT,
         )
 

@@ -2,8 +2,10 @@
 
 ``tile_gemm`` computes one ``BLOCK_M x BLOCK_N`` tile of ``A B^T`` in fp32: ``A [rows, K]``
 K-major rows, ``B [experts, N, K]`` one weight per expert, also K-major (Hopper's fp8 MMA
-takes K-major operands only, and an N-major bf16 operand runs at a fraction of the speed).
-With ``TWO_B`` a second B of the same shape shares each A tile (GEMM1's W1 and W3).
+takes K-major operands only, and an N-major bf16 operand runs at a fraction of the speed),
+over the columns ``k_start .. k_end`` of K (the weight gradients contract one expert's
+token range of token-major copies). With ``TWO_B`` a second B of the same shape shares
+each A tile (GEMM1's W1 and W3).
 
 Quantized operands (e4m3) bring fp32 scales: A one per row per ``SCALE_K`` elements along
 K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
@@ -19,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_gemm(
-    a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols,
+    a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, k_start, k_end,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -29,6 +31,8 @@ def tile_gemm(
 
     ``rows``: BLOCK_M row indices, every one readable (rows past the caller's end are
     computed, not masked); ``cols``: BLOCK_N indices into N, those ``>= N`` masked.
+    ``k_start``, ``k_end``: multiples of the K step (``SCALE_K``, or ``BLOCK_K`` unscaled),
+    ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
     ``BLOCK_K`` must divide ``SCALE_K``. ``UPCAST_DOT``: operands go to the dot in fp32 (the
     Triton interpreter computes bf16 dots wrongly).
@@ -41,7 +45,7 @@ def tile_gemm(
     # Pointers are built once, before the K loop, which only adds k: offsets recomputed
     # inside the loop keep the compiler from pipelining its loads.
     a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
-    expert_offset = expert.to(tl.int64) * N * K
+    expert_offset = tl.cast(expert, tl.int64) * N * K
     b_tile = cols[None, :] * K + ks[:, None]
     b_ptrs = b + expert_offset + b_tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -51,12 +55,12 @@ def tile_gemm(
     if SCALE_K > 0:
         K_BLOCKS: tl.constexpr = tl.cdiv(K, SCALE_K)
         sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
-        sb_offsets = (expert.to(tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
+        sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
         sb_ptrs = b_scale + sb_offsets
         if TWO_B:
             sb2_ptrs = b2_scale + sb_offsets
 
-    for k0 in range(0, K, STEP):
+    for k0 in range(k_start, k_end, STEP):
         # Scaled: this scale block's partial product, promoted below. Unscaled: the
         # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.
         if SCALE_K > 0:

@@ -1,24 +1,20 @@
 """Quantized weight gradients: ``out[e] = A_e^T B_e`` over each local expert's received
 rows, with both operands quantized along the rows (the contraction dimension), as the
-reference specifies them (``reference``, numerics).
+reference specifies them (``reference``, numerics): one scale per column per
+``TOKEN_BLOCK`` rows, the blocks counted from the expert's first row.
 
-The rows of expert ``e`` are ``local_base[e] .. local_base[e] + local_rows[e]`` of the
-receive-side buffers. Each program owns one ``BLOCK_M x BLOCK_N`` tile of one expert's
-gradient and walks that expert's rows in blocks of ``TOKEN_BLOCK`` (counted from the
-expert's first row, as the spec counts them): it reads the block of both operands as
-fp32 (e4m3 rows times their own scales, or rows of the activation dtype), quantizes
-each column of the block with one scale (``quantize_tile`` on the transposed block),
-multiplies, and promotes the product with the two scale vectors into the fp32
-accumulator.
-
-First build: every program requantizes the blocks it reads (each A block once per N
-tile), and the products run in bf16 on the e4m3 values (exact, at bf16 rate): an fp8
-MMA needs token-major copies of the operands.
+Hopper's fp8 MMA takes K-major operands only, and here K runs along the rows. So each
+operand is first copied token-major (``token_major_kernel``): ``[columns, KT]`` e4m3 plus
+``[columns, KT / TOKEN_BLOCK]`` fp32 scales, where expert ``e``'s rows occupy the token
+blocks ``block_start[e] .. block_start[e + 1]`` (its rows, zero-padded to whole blocks).
+``wgrad_kernel`` then runs the shared mainloop (``tile_gemm``) over that token range, one
+scale per A row and per B column per block: the promotion is the same as the forward's.
 """
 
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import quantize_tile
 
 
@@ -33,44 +29,73 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
     mask = live[:, None] & (cols[None, :] < COLS)
     v = tl.load(t + rows[:, None].to(tl.int64) * STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if SCALE_K > 0:
-        # One scale per row: loaded as a vector, not gathered per element (a [rows,
-        # BLOCK] fp32 gather would take four times the operand's shared memory).
-        tl.static_assert(SCALE_K % BLOCK == 0, "a weight-gradient tile must lie in one scale block")
+        # One scale per row: loaded as a vector, not gathered per element.
+        tl.static_assert(SCALE_K % BLOCK == 0, "a column block must lie in one scale block")
         SCALE_COLS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
         v = v * tl.load(t_scales + rows.to(tl.int64) * SCALE_COLS + col0 // SCALE_K, mask=live, other=0.0)[:, None]
     return v
 
 
 @triton.jit
-def wgrad_kernel(
-    a, a_scales, b, b_scales, out, local_base, local_rows,
-    M: tl.constexpr, N: tl.constexpr, A_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr,
-    A_SCALE_K: tl.constexpr, B_SCALE_K: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
-    POWER_OF_TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+def token_major_kernel(
+    t, t_scales, out, out_scales, local_base, local_rows, block_start, local_experts,
+    STRIDE: tl.constexpr, COLS: tl.constexpr, SCALE_K: tl.constexpr, KT: tl.constexpr,
+    TOKEN_BLOCK: tl.constexpr, POWER_OF_TWO: tl.constexpr, BLOCK_C: tl.constexpr, LOCAL_PAD: tl.constexpr,
 ):
-    """``out [experts, M, N]`` (its own dtype) ``= A_e^T B_e``, ``A`` the first ``M``
-    columns of rows of ``A_STRIDE``, ``B`` the first ``N`` of rows of ``B_STRIDE``."""
+    """One token block x ``BLOCK_C`` columns of ``t`` (rows of ``STRIDE``, the first
+    ``COLS`` read; e4m3 with scales when ``SCALE_K`` > 0) into ``out [COLS, KT]`` e4m3 and
+    ``out_scales [COLS, KT / TOKEN_BLOCK]``, each column of the block quantized with one
+    scale. Program ``(b, c)``: token block ``b`` of the packed layout, column block ``c``;
+    blocks past the last expert's are never read and left as they are."""
+    block = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_C
+    experts = tl.arange(0, LOCAL_PAD)
+    ends = tl.load(block_start + 1 + experts, mask=experts < local_experts, other=2**30)
+    expert = tl.sum((ends <= block).to(tl.int32))
+    if expert < local_experts:
+        first = tl.load(block_start + expert)
+        offsets = (block - first) * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
+        live = offsets < tl.load(local_rows + expert)
+        rows = tl.load(local_base + expert) + offsets
+        v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE, COLS, BLOCK_C, SCALE_K)
+        q, scale = quantize_tile(tl.trans(v), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_C, TOKEN_BLOCK]
+        cols = col0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < COLS
+        tokens = block * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
+        tl.store(out + cols[:, None].to(tl.int64) * KT + tokens[None, :], q, mask=col_ok[:, None])
+        tl.store(out_scales + cols[:, None].to(tl.int64) * (KT // TOKEN_BLOCK) + block, scale, mask=col_ok[:, None])
+
+
+@triton.jit
+def wgrad_kernel(
+    a, a_scales, b, b_scales, out, out2, block_start,
+    M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr, KT: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """``[experts, M, N]`` (the outputs' dtype) ``= A_e^T B_e`` from the token-major copies
+    ``a [M, KT]``, ``b [N, KT]`` and their scales. ``SPLIT_M`` 0: all into ``out``;
+    otherwise rows below ``SPLIT_M`` into ``out [experts, SPLIT_M, N]`` and the rest into
+    ``out2 [experts, M - SPLIT_M, N]`` (``BLOCK_M`` must divide ``SPLIT_M``)."""
     expert = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
     n0 = tl.program_id(2) * BLOCK_N
-    base = tl.load(local_base + expert)
-    count = tl.load(local_rows + expert)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t0 in range(0, count, TOKEN_BLOCK):
-        offsets = t0 + tl.arange(0, TOKEN_BLOCK)
-        rows = base + offsets
-        live = offsets < count
-        av = _rows_as_fp32(a, a_scales, rows, m0, live, A_STRIDE, M, BLOCK_M, A_SCALE_K)
-        bv = _rows_as_fp32(b, b_scales, rows, n0, live, B_STRIDE, N, BLOCK_N, B_SCALE_K)
-        qa, sa = quantize_tile(tl.trans(av), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_M, TOKEN_BLOCK]
-        qb, sb = quantize_tile(tl.trans(bv), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_N, TOKEN_BLOCK]
-        if UPCAST_DOT:
-            part = tl.dot(qa.to(tl.float32), tl.trans(qb.to(tl.float32)))
-        else:
-            part = tl.dot(qa.to(tl.bfloat16), tl.trans(qb.to(tl.bfloat16)))
-        acc += part * sa * tl.trans(sb)
-    m_cols = m0 + tl.arange(0, BLOCK_M)
+    k_start = tl.load(block_start + expert) * TOKEN_BLOCK
+    k_end = tl.load(block_start + expert + 1) * TOKEN_BLOCK
+    m_rows = m0 + tl.arange(0, BLOCK_M)
     n_cols = n0 + tl.arange(0, BLOCK_N)
-    mask = (m_cols[:, None] < M) & (n_cols[None, :] < N)
-    at = out + expert.to(tl.int64) * M * N + m_cols[:, None] * N + n_cols[None, :]
-    tl.store(at, acc.to(out.dtype.element_ty), mask=mask)
+    acc = tile_gemm(
+        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n_cols, k_start, k_end, N, KT,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, UPCAST_DOT,
+    )
+    if SPLIT_M > 0:
+        tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")
+        if m0 < SPLIT_M:
+            target, rows_out, row0 = out, SPLIT_M, 0
+        else:
+            target, rows_out, row0 = out2, M - SPLIT_M, SPLIT_M
+    else:
+        target, rows_out, row0 = out, M, 0
+    local_rows = m_rows - row0
+    mask = (local_rows[:, None] < rows_out) & (n_cols[None, :] < N)
+    at = target + expert.to(tl.int64) * rows_out * N + local_rows[:, None] * N + n_cols[None, :]
+    tl.store(at, acc.to(target.dtype.element_ty), mask=mask)

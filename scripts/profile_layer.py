@@ -70,8 +70,8 @@ def tile_changes(text: str) -> dict[str, int]:
         field, sep, value = item.partition("=")
         if field not in TILE_FIELDS:
             raise argparse.ArgumentTypeError(f"unknown tile field {field!r}; fields: {', '.join(TILE_FIELDS)}")
-        if not sep or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected {field}=<integer > 0>")
+        if not sep or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected {field}=<integer >= 0>")
         changes[field] = int(value)
     return changes
 

@@ -31,13 +31,13 @@ def gemm_tile_kernel(
     mask = (rows[:, None] < num_rows) & (cols[None, :] < N)
     if TWO_B:
         acc, acc2 = tile_gemm(
-            a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, N, K,
+            a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, UPCAST_DOT,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
-            a, a_scale, rows, b, b_scale, None, None, expert, cols, N, K,
+            a, a_scale, rows, b, b_scale, None, None, expert, cols, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, UPCAST_DOT,
         )
     tl.store(out + at, acc, mask=mask)
