@@ -10,6 +10,10 @@ op's inputs (it re-derives the routing layout on the device), plus, with
 ``settings.save_gemm1``, GEMM1's pre-activations (``saved_shape``), which spares it
 recomputing GEMM1.
 
+What a call needs besides its tensors (the buffers, the program counts, the saved shape)
+is resolved at the first call of its kind and looked up after (``CallPlan``): at small
+token counts the layer is bound by the host's time per call.
+
 A failure on the device (a peer past the deadline, a bad expert id: ``kernels.sync``)
 stops every rank's kernels; this module prints its message on stderr as soon as it is
 recorded and raises it at every later call, since the error PyTorch raises for the
@@ -22,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +47,20 @@ everything before any GEMM tile waits."""
 _BUFFERS: dict[tuple, ForwardBuffers] = {}
 _GRAD_BUFFERS: dict[int, GradBuffers] = {}
 """Backward buffers, by ``id`` of the forward buffers they extend."""
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What every call of one kind (``_plan``) needs beyond its tensors."""
+
+    buffers: ForwardBuffers
+    saved_shape: tuple[int, int]
+    comm_programs: int
+    num_programs: int
+
+
+_PLANS: dict[tuple, CallPlan] = {}
+"""Plans by what decides them (``_plan``)."""
 
 
 def _tiles(device: torch.device, fmt: Format) -> TileConfig:
@@ -88,7 +107,10 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
     if held is not None and held.shape == shape:
         return held
     if held is not None:  # a single rank's call with another token count: replace, do not accumulate
-        _GRAD_BUFFERS.pop(id(_BUFFERS.pop(key)), None)
+        del _BUFFERS[key]
+        _GRAD_BUFFERS.pop(id(held), None)
+        for stale in [k for k, plan in _PLANS.items() if plan.buffers is held]:
+            del _PLANS[stale]
     sized_for = f"{dataclasses.replace(shape, rank=0)} precision {settings.precision.name}, {tiles}"
     buffers = ForwardBuffers(shape, tiles, device, symm.allocator(group, device, sized_for))
     rows, cols = preact_shape(shape, tiles)
@@ -122,9 +144,7 @@ def prepare(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> N
     uses (for a real group of several ranks, collectively). Virtual ranks need it: an
     allocation there may synchronise the device while another virtual rank's kernels
     wait for this one, which would never come."""
-    _check_runs(x, settings)
-    buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-    _grad_buffers(group, buffers, settings)
+    _grad_buffers(group, _plan(x, topk_idx, w1, group, settings).buffers, settings)
 
 
 def failures() -> list[str]:
@@ -197,19 +217,41 @@ def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) 
     return preact_shape(_shape(x, topk_idx, w1, group, settings), _tiles(x.device, settings.precision.forward))
 
 
+def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
+    """The plan of a call: checked, allocated and sized at the first call of its kind, then
+    looked up. Its kind is all the plan depends on; with a capacity the token count is not
+    part of it (the kernels' ``check_call`` compares each call's count with the capacity)."""
+    key = (
+        settings.encode(),  # what the ops carry; a string hashes once, a dataclass at every lookup
+        None if group is None else (group.group_name, group.rank()),
+        x.device,
+        x.dtype,
+        x.shape[1],
+        0 if settings.capacity_tokens_per_rank else x.shape[0],
+        topk_idx.shape[1],
+        w1.shape,
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check_runs(x, settings)
+        buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
+        plan = CallPlan(buffers, saved_shape(x, topk_idx, w1, group, settings),
+                        *_programs(x, group, settings.comm_sms))
+        _PLANS[key] = plan
+    return plan
+
+
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,
                 settings: OperatorSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, tokens per local expert, saved pre-activations)``."""
-    _check_runs(x, settings)
-    buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-    preact = x.new_empty(saved_shape(x, topk_idx, w1, group, settings))
-    comm_programs, num_programs = _programs(x, group, settings.comm_sms)
+    plan = _plan(x, topk_idx, w1, group, settings)
+    preact = x.new_empty(plan.saved_shape)
     y, tokens_per_expert = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
-        buffers,
+        plan.buffers,
         score_before_experts,
-        comm_programs,
-        num_programs,
+        plan.comm_programs,
+        plan.num_programs,
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
     )
@@ -219,16 +261,14 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
 def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, group: symm.Group,
                  score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` as the forward returned it."""
-    _check_runs(x, settings)
-    buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-    comm_programs, num_programs = _programs(x, group, settings.comm_sms)
+    plan = _plan(x, topk_idx, w1, group, settings)
     return fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 else None,
-        buffers,
-        _grad_buffers(group, buffers, settings),
+        plan.buffers,
+        _grad_buffers(group, plan.buffers, settings),
         score_before_experts,
-        comm_programs,
-        num_programs,
+        plan.comm_programs,
+        plan.num_programs,
         settings.timeout_s,
     )

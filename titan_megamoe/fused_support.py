@@ -6,6 +6,8 @@ row for the GPU's architecture and every format of the precision, for the activa
 dtypes listed in ``SERVED_DTYPES``, with the EP group's GPUs on one node.
 """
 
+import functools
+
 import torch
 
 from titan_megamoe.kernels.configs import INTERPRET, TILE_CONFIGS, arch_of
@@ -32,8 +34,15 @@ def arch(device: torch.device) -> tuple[str | None, str]:
         return "interpret", "the Triton interpreter"
     if device.type != "cuda":
         return None, f"a {device.type} device"
-    major, minor = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
+    return _cuda_arch(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_arch(index: int) -> tuple[str | None, str]:
+    """``arch`` of CUDA device ``index``, asked of the driver once: a device's capability
+    never changes, and every call of the operator checks it."""
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
     if torch.version.hip is not None:
         return None, f"{name}, a ROCm GPU (it reports compute capability {major}.{minor})"
     return arch_of((major, minor)), f"{name} (compute capability {major}.{minor})"

@@ -70,9 +70,10 @@ class MegaExperts(GroupedExperts):
     def _settings_for(self, x: torch.Tensor) -> OperatorSettings:
         """The settings a call with ``x`` runs with (decided once per device and dtype)."""
         key = (self.settings, x.device, x.dtype)
-        if key not in self._call_settings:
-            self._call_settings[key] = self._decide(x.device, x.dtype)
-        return self._call_settings[key]
+        settings = self._call_settings.get(key)  # one lookup: hashing the key is most of the cost
+        if settings is None:
+            settings = self._call_settings[key] = self._decide(x.device, x.dtype)
+        return settings
 
     def _decide(self, device: torch.device, dtype: torch.dtype) -> OperatorSettings:
         settings = self.settings

@@ -265,9 +265,8 @@ def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
     if w1.dim() != 3 or w1.shape[2] != hidden:
         raise ValueError(f"w1 must be [local_experts, inter, {hidden}]; got {tuple(w1.shape)}")
     experts, inter, _ = w1.shape
-    expected = {"w3": (w3, (experts, inter, hidden)), "w2": (w2, (experts, hidden, inter))}
-    for name, (w, shape) in expected.items():
-        if tuple(w.shape) != shape:
+    for name, w, shape in (("w3", w3, (experts, inter, hidden)), ("w2", w2, (experts, hidden, inter))):
+        if w.shape != shape:
             raise ValueError(f"{name} must have shape {shape}; got {tuple(w.shape)}")
     if len({t.device for t in (x, topk_idx, topk_w, w1, w2, w3)}) != 1:
         raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
@@ -275,19 +274,20 @@ def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
 
 def _check_settings(settings: OperatorSettings, x: Tensor, group: dist.ProcessGroup | None) -> None:
     name = settings.backend
-    if name not in BACKENDS:
+    backend = BACKENDS.get(name)
+    if backend is None:
         raise ValueError(
             f"settings.backend = {name!r} is not a backend the operator runs; pass a resolved "
             f"one ({', '.join(repr(n) for n, b in BACKENDS.items() if b.op)}): "
             "titan_megamoe.ops.resolve_backend turns 'auto' into one"
         )
-    if BACKENDS[name].op is None:
+    if backend.op is None:
         raise ValueError(
             f"settings.backend = {name!r} is TorchTitan's own path, not this operator; call "
             f"titan_megamoe.{name}.routed_experts instead"
         )
     # Whether the EP group spans nodes is the caller's to check (the converter does).
-    reason = BACKENDS[name].unsupported(x.device, x.dtype, settings.precision, True)
+    reason = backend.unsupported(x.device, x.dtype, settings.precision, True)
     if reason is not None:
         raise NotImplementedError(f"settings.backend = {name!r} cannot run here: {reason}")
     if name == "fused" and group is not None and group.size() > 1 and settings.capacity_tokens_per_rank <= 0:

@@ -9,6 +9,7 @@ constant.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from titan_megamoe.precision import Precision, get_precision
@@ -46,9 +47,14 @@ class OperatorSettings:
                 raise ValueError(f"{name} = {value!r} is not valid; expected an integer >= 0")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s = {self.timeout_s!r} is not valid; expected seconds > 0")
+        # Encoded here, once: the object is frozen, and ``mega_moe`` passes the string at every call.
+        object.__setattr__(self, "_encoded", self._encode())
 
     def encode(self) -> str:
         """One string holding every field (what the custom ops carry)."""
+        return self._encoded
+
+    def _encode(self) -> str:
         fields = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -60,8 +66,10 @@ class OperatorSettings:
         return ";".join(fields)
 
     @classmethod
+    @functools.cache
     def decode(cls, encoded: str) -> "OperatorSettings":
-        """Inverse of :meth:`encode`."""
+        """Inverse of :meth:`encode`. Cached: each custom-op call decodes its settings, and
+        the objects are frozen, so every call with one string can share one."""
         raw = dict(item.split("=", 1) for item in encoded.split(";"))
         types = {"capacity_tokens_per_rank": int, "comm_sms": int, "timeout_s": float,
                  "save_gemm1": lambda v: bool(int(v)), "precision": get_precision, "backend": str}

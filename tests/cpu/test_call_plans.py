@@ -1,0 +1,70 @@
+"""What every call of the operator would otherwise redo on the host is done once: the
+settings' encoding and decoding, the GPU's architecture, and the fused backend's plan of
+a kind of call (buffers, saved shape, program counts)."""
+
+import pytest
+import torch
+
+from problems import make_problem, make_weights
+from ranks import run_ranks
+from titan_megamoe import fused_support
+from titan_megamoe.settings import OperatorSettings
+
+
+def test_settings_encode_once_and_decode_to_one_object():
+    settings = OperatorSettings(precision="fp8", backend="fused", capacity_tokens_per_rank=64, save_gemm1=True)
+    encoded = settings.encode()
+    assert settings.encode() is encoded
+    decoded = OperatorSettings.decode(encoded)
+    assert decoded == settings and OperatorSettings.decode(encoded) is decoded
+    assert settings.replace(comm_sms=3).encode() == encoded.replace("comm_sms=0", "comm_sms=3")
+
+
+@pytest.fixture
+def fresh_arch_cache():
+    fused_support._cuda_arch.cache_clear()
+    yield
+    fused_support._cuda_arch.cache_clear()
+
+
+def test_gpu_architecture_is_asked_of_the_driver_once_per_device(monkeypatch, fresh_arch_cache):
+    asked = []
+
+    def capability(index):
+        asked.append(index)
+        return 9, 0
+
+    monkeypatch.setattr(fused_support, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a test GPU")
+    for _ in range(3):
+        for index in (0, 1):
+            assert fused_support.arch(torch.device("cuda", index)) == ("sm90", "a test GPU (compute capability 9.0)")
+    assert asked == [0, 1]
+
+
+def _one_plan_per_kind(rank, world):
+    from titan_megamoe import fused
+
+    x, idx, _ = make_problem(9, "random", seed=0)
+    w1, _, _ = make_weights()
+    sized = OperatorSettings(backend="fused", capacity_tokens_per_rank=16)
+    plan = fused._plan(x, idx, w1, None, sized)
+    assert fused._plan(x[:5], idx[:5], w1, None, sized) is plan  # any count within the capacity
+    assert fused._plan(x, idx, w1, None, OperatorSettings.decode(sized.encode())) is plan  # as the ops pass them
+
+    # A single rank without a capacity: a new token count replaces the buffers, and the
+    # plans that held the old ones go with them.
+    unsized = sized.replace(capacity_tokens_per_rank=0)
+    nine = fused._plan(x, idx, w1, None, unsized)
+    fused._plan(x[:5], idx[:5], w1, None, unsized)
+    again = fused._plan(x, idx, w1, None, unsized)
+    assert again.buffers is not nine.buffers and again.buffers.shape == nine.buffers.shape
+    held = [id(b) for b in fused._BUFFERS.values()]
+    assert sorted(held) == sorted([id(plan.buffers), id(again.buffers)])
+    assert all(id(p.buffers) in held for p in fused._PLANS.values())
+
+
+def test_fused_backend_plans_each_kind_of_call_once(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_one_plan_per_kind, 1, timeout_s=300)
