@@ -94,17 +94,30 @@ def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool)
     padded = F.pad(t.float(), (0, pad_c, 0, pad_r))
     blocks = padded.view(*lead, (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    # A tensor divisor: on CUDA, torch divides by a Python number as a multiplication by
+    # its rounded reciprocal, one ulp off the correctly rounded quotient.
+    ratio = amax / amax.new_full((), E4M3_MAX)
     if power_of_two:
         # ceil(log2(amax / 448)) exactly (log2 in fp32 can round just above a power of two
         # down onto it): amax / 448 = m * 2^e with m in [0.5, 1).
-        mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+        mantissa, exponent = torch.frexp(ratio)
         exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
         scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
     else:
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (blocks / scale).to(torch.float8_e4m3fn)
+        scale = torch.where(amax > 0, ratio, torch.ones_like(amax))
+    q = round_to_e4m3(blocks / scale).to(torch.float8_e4m3fn)
     q = q.view(*lead, rows + pad_r, cols + pad_c)[..., :rows, :cols]
     return q, scale.view(*lead, scale.shape[-4], scale.shape[-2])
+
+
+def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still in
+    fp32: the cast to e4m3 after it is then exact on every device (the same values must
+    come out of the spec on CPUs and GPUs, whose casts were seen to disagree)."""
+    _, exponent = torch.frexp(v)  # v = m * 2^exponent, 0.5 <= |m| < 1
+    # Three mantissa bits: spacing 2^(exponent - 4); subnormals (below 2^-6) keep 2^-9.
+    step = torch.exp2((exponent - 4).clamp_min(-9).to(torch.float32))
+    return torch.round(v / step) * step
 
 
 def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

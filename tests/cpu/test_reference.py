@@ -204,3 +204,21 @@ def test_fp8_rows_cross_the_link_quantized_and_weight_gradients_requantize_them(
     assert torch.equal(y, y_spec)
     assert torch.equal(dw2[0], dw2_spec.bfloat16())
     assert rel_err(dw2_from_bf16, dw2_spec) > 1e-2  # the two choices are told apart
+
+
+def test_round_to_e4m3_is_the_nearest_e4m3_ties_to_even():
+    """The spec rounds to e4m3 itself (its cast is then exact on every device): every
+    e4m3 value stays put, values between two neighbours go to the nearer, midpoints to the
+    one with an even mantissa, subnormals included."""
+    from titan_megamoe.reference import round_to_e4m3
+
+    codes = torch.arange(0, 127, dtype=torch.uint8)  # +0 .. 448, in order
+    values = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(round_to_e4m3(values), values)
+    assert torch.equal(round_to_e4m3(-values), -values)
+    lo, hi = values[:-1], values[1:]
+    mid = (lo + hi) / 2
+    even = torch.where(codes[:-1] % 2 == 0, lo, hi)
+    assert torch.equal(round_to_e4m3(mid), even)
+    assert torch.equal(round_to_e4m3(torch.nextafter(mid, hi)), hi)
+    assert torch.equal(round_to_e4m3(torch.nextafter(mid, lo)), lo)
