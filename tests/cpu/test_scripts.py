@@ -1,6 +1,7 @@
 """The README's commands on a machine without a GPU: bench_layer's argument checks, its
 CPU A/B (first line at once, progress, a table without empty columns, a titled plot),
-and the training scripts refusing at once."""
+the training scripts refusing at once, and every SM90 kernel compiled here fitting the
+GPU's shared memory."""
 
 import os
 import selectors
@@ -307,3 +308,43 @@ def test_wgrad_source_error_tells_the_two_sources_apart():
     for name in ("dw1", "dw2", "dw3"):
         assert 0.02 < fp8["from bf16"][name] < fp8["requantized"][name] < 0.08, (name, fp8)
         assert abs(mxfp8["requantized"][name] - mxfp8["from bf16"][name]) < 1e-3, (name, mxfp8)
+
+
+# ---------------------------------------------------------------- kernel resources
+
+
+def test_every_sm90_kernel_fits_an_h100(tmp_path):
+    """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8 and
+    fp8_bwd tile rows fits in an H100/H200 thread block's shared memory: a row that does
+    not fails on the GPU only at its first launch."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "kernel_resources.py"), "--out", str(tmp_path)],
+        env={k: v for k, v in NO_GPU_ENV.items() if k != "TRITON_INTERPRET"},
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    import json
+
+    report = json.loads((tmp_path / "kernel_resources.json").read_text())
+    for name in ("bf16", "fp8", "fp8_bwd"):
+        kernels = {r["kernel"] for r in report["precisions"][name]}
+        assert {"dispatch_gemm1_kernel", "rows_gemm_combine_kernel", "dispatch_grad_gemm1_kernel"} <= kernels, name
+    assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"]["fp8"]}
+
+
+def test_kernel_resources_flags_a_row_over_the_limit(tmp_path):
+    """fp8_bwd's backward recomputes GEMM1 in bf16 on the fp8 row's 128-deep K steps: in 3
+    stages that takes 240 KB, which the script reports and fails on."""
+    code = (
+        "import dataclasses, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
+        "import kernel_resources\n"
+        "from titan_megamoe.kernels import configs\n"
+        "row = configs.TILE_CONFIGS['sm90', 'fp8_block']\n"
+        "configs.TILE_CONFIGS['sm90', 'fp8_block'] = dataclasses.replace(row, grad1_stages=3)\n"
+        f"sys.exit(kernel_resources.main(['--precisions', 'fp8_bwd', '--out', {str(tmp_path)!r}]))\n"
+    )
+    env = {k: v for k, v in NO_GPU_ENV.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "> limit" in done.stdout

@@ -1,0 +1,165 @@
+"""What each fused kernel takes of an SM90 GPU, compiled on any host (no GPU needed).
+
+    python scripts/kernel_resources.py [--precisions bf16,fp8,fp8_bwd] [--shape 30B-A3B] [--out DIR]
+
+Runs the fused forward and backward (GEMM1 saved and recomputed, both score modes) on CPU
+tensors with every Triton launch replaced by a compile for ``sm_90a``, and prints, per
+kernel variant, its shared memory, registers per thread and spill (stack) bytes, read
+from the compiled binary. A kernel whose shared memory exceeds ``SM90_SHARED_BYTES``
+cannot launch on H100/H200; spills cost time (and, on first launch, a local-memory
+resize that waits for the device to go idle). Writes ``kernel_resources.json``.
+
+The compile-only launch swaps in a stand-in for Triton's CUDA driver that names the
+target and never touches a device: it depends on Triton's runtime internals (tested
+with Triton 3.6 and 3.9).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver, jit
+
+SM90_SHARED_BYTES = 232448
+"""Most shared memory one H100/H200 thread block may use (227 KB)."""
+
+SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
+"""hidden, intermediate, experts, top-k."""
+
+EP, TOKENS_PER_RANK, PROGRAMS, COMM_PROGRAMS = 2, 256, 132, 32
+"""The group the kernels are compiled for; sizes that are runtime arguments do not change
+the binaries."""
+
+
+class CompileOnlyCuda(CudaDriver):
+    """Triton's CUDA driver as far as compiling goes: an SM90 target, device 0, stream 0."""
+
+    def __init__(self):  # the real one loads libcuda
+        pass
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and shared bytes of a cubin, as ``cuobjdump -res-usage`` reports."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", report)
+    if found is None:
+        raise RuntimeError(f"cuobjdump reported no resource usage:\n{report}")
+    regs, stack, _static_shared = map(int, found.groups())
+    return {"registers": regs, "stack_bytes": stack}
+
+
+def compile_instead_of_launching(records: list[dict]) -> None:
+    """From now on a kernel launch compiles the kernel for SM90 and records its resources."""
+    driver.set_active(CompileOnlyCuda())
+    compile_kernel = jit.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = compile_kernel(self, *args, grid=grid, warmup=True, **kwargs)
+        record = {"kernel": self.__name__, "num_warps": kernel.metadata.num_warps,
+                  "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared}
+        record.update(_usage(kernel.asm["cubin"]))
+        if record not in records:
+            records.append(record)
+
+    jit.JITFunction.run = run
+
+
+def run_fused(precision_name: str, shape: str) -> None:
+    """One forward and backward of each kind (GEMM1 saved or recomputed, score before or
+    after the experts) on CPU tensors, through the fused backend's host code."""
+    from titan_megamoe.kernels.backward import GradBuffers, fused_backward
+    from titan_megamoe.kernels.configs import tile_config
+    from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
+    from titan_megamoe.precision import get_precision
+
+    hidden, inter, experts, top_k = SHAPES[shape]
+    local = experts // EP
+    precision = get_precision(precision_name)
+    tiles = tile_config("sm90", precision.forward.name)
+    grad_tiles = tile_config("sm90", precision.dgrad.name)
+
+    def symmetric(size, dtype):
+        return torch.zeros(size, dtype=dtype), torch.zeros(EP, dtype=torch.int64)
+
+    fshape = ForwardShape(ep=EP, rank=0, capacity_tokens_per_rank=TOKENS_PER_RANK, top_k=top_k,
+                          local_experts=local, hidden=hidden, inter=inter, dtype=torch.bfloat16,
+                          row_format=precision.forward)
+    buffers = ForwardBuffers(fshape, tiles, torch.device("cpu"), symmetric)
+    grad = GradBuffers(buffers, symmetric, precision.dgrad, grad_tiles)
+    x = torch.randn(TOKENS_PER_RANK, hidden, dtype=torch.bfloat16)
+    idx = torch.randint(0, experts, (TOKENS_PER_RANK, top_k))
+    scores = torch.rand(TOKENS_PER_RANK, top_k)
+    w1, w3 = (torch.randn(local, inter, hidden, dtype=torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(local, hidden, inter, dtype=torch.bfloat16)
+    preact = torch.empty(preact_shape(fshape, tiles), dtype=torch.bfloat16)
+    for save in (True, False):
+        for score_before in (False, True):
+            saved = preact if save else None
+            fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS, PROGRAMS, 10.0,
+                          preact=saved)
+            fused_backward(x, x, idx, scores, w1, w2, w3, saved, buffers, grad, score_before,
+                           COMM_PROGRAMS, PROGRAMS, 10.0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--precisions", default="bf16,fp8,fp8_bwd", help="comma-separated precisions")
+    p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
+    p.add_argument("--out", default="outputs/kernel_resources")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_resources: compiles for the GPU; unset TRITON_INTERPRET")
+    results = {}
+    records: list[dict] = []
+    compile_instead_of_launching(records)
+    for name in args.precisions.split(","):
+        records.clear()
+        print(f"[kernel_resources] {name}, {args.shape}: compiling for sm_90a", file=sys.stderr, flush=True)
+        run_fused(name, args.shape)
+        results[name] = list(records)
+        print(f"\n{name} ({args.shape}, sm_90a)")
+        print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s}")
+        for r in records:
+            over = "  > limit" if r["shared_bytes"] > SM90_SHARED_BYTES else ""
+            print(f"{r['kernel']:30s} {r['num_warps']:5d} {r['num_stages']:6d} {r['shared_bytes'] / 1024:9.1f} "
+                  f"{r['registers']:4d} {r['stack_bytes']:7d}{over}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_resources.json").write_text(json.dumps(
+        {"shape": args.shape, "shared_limit_bytes": SM90_SHARED_BYTES, "precisions": results}, indent=1))
+    print(f"wrote {out / 'kernel_resources.json'}", file=sys.stderr)
+    over = [(n, r["kernel"]) for n, rs in results.items() for r in rs if r["shared_bytes"] > SM90_SHARED_BYTES]
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
