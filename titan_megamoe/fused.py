@@ -234,6 +234,9 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
     plan = _PLANS.get(key)
     if plan is None:
         _check_runs(x, settings)
+        reason = fused_support.shape_unsupported_reason(settings.precision, w1.shape[1])
+        if reason:
+            raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
         buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
         plan = CallPlan(buffers, saved_shape(x, topk_idx, w1, group, settings),
                         *_programs(x, group, settings.comm_sms))

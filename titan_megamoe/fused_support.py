@@ -3,7 +3,8 @@
 
 The fused kernels run where the tile table (``titan_megamoe.kernels.configs``) has a
 row for the GPU's architecture and every format of the precision, for the activation
-dtypes listed in ``SERVED_DTYPES``, with the EP group's GPUs on one node.
+dtypes listed in ``SERVED_DTYPES``, with the EP group's GPUs on one node, and, quantized,
+for experts whose intermediate size holds whole scale blocks (``shape_unsupported_reason``).
 """
 
 import functools
@@ -86,4 +87,15 @@ def unsupported_reason(
         served = ", ".join(str(d).removeprefix("torch.") for d in SERVED_DTYPES[target])
         return (f"its {target} kernels take {served} activations; these experts compute in "
                 f"{str(dtype).removeprefix('torch.')} (FSDP's mixed_precision_param sets it)")
+    return None
+
+
+def shape_unsupported_reason(precision: Precision, inter: int) -> str | None:
+    """Why the fused kernels cannot run experts of intermediate size ``inter`` in
+    ``precision``, or None if they can: a quantized backward stores the SwiGLU gradient
+    ``[da | db]`` in whole scale blocks along the intermediate dimension."""
+    block = precision.dgrad.row_scale_k
+    if block and inter % block:
+        return (f"precision {precision.name!r} quantizes the SwiGLU gradient in blocks of {block} along the "
+                f"intermediate size, and these experts' intermediate size {inter} is not a multiple of {block}")
     return None

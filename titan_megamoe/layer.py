@@ -79,20 +79,21 @@ class MegaExperts(GroupedExperts):
         settings = self.settings
         if settings.backend != "fused":
             return settings
-        # The converter checked the EP group; only the device and dtype are new here.
-        reason = fused_support.unsupported_reason(device, dtype, settings.precision, True)
+        # The converter checked the EP group; the device, dtype and shapes are new here.
+        reason = (fused_support.unsupported_reason(device, dtype, settings.precision, True)
+                  or fused_support.shape_unsupported_reason(settings.precision, self.w1.shape[1]))
         if reason is None:
             return settings
         if not self.auto_backend:
             raise NotImplementedError(
-                f"[mega_moe] backend = 'fused' cannot run these experts' {dtype} inputs: {reason}; "
+                f"[mega_moe] backend = 'fused' cannot run these experts ({dtype} inputs): {reason}; "
                 "set [mega_moe] backend = 'auto' to run them on 'stock' instead"
             )
         if (dtype, reason) not in _logged_fallbacks:
             _logged_fallbacks.add((dtype, reason))
             logger.warning(
-                f"mega_moe: backend 'fused' (chosen by auto) cannot run {dtype} inputs: {reason}; "
-                "those layers run backend 'stock'"
+                f"mega_moe: backend 'fused' (chosen by auto) cannot run these experts ({dtype} inputs): "
+                f"{reason}; those layers run backend 'stock'"
             )
         return settings.replace(backend="stock")
 

@@ -187,8 +187,8 @@ def test_fused_layer_runs_stock_for_a_dtype_fused_cannot_run_only_under_auto(aut
     converter.convert(model)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     if not auto:
-        with pytest.raises(NotImplementedError, match=r"backend = 'fused' cannot run these experts' torch.float32 "
-                                                      r"inputs: test: no torch.float32 kernels; set .*'auto'"):
+        with pytest.raises(NotImplementedError, match=r"backend = 'fused' cannot run these experts \(torch.float32 "
+                                                      r"inputs\): test: no torch.float32 kernels; set .*'auto'"):
             model(tokens)
         return
     with caplog.at_level(logging.WARNING):
@@ -196,8 +196,31 @@ def test_fused_layer_runs_stock_for_a_dtype_fused_cannot_run_only_under_auto(aut
         model(tokens)
     assert len(stock_calls) == 4  # 2 layers, 2 calls
     assert checked == [torch.float32] * 2  # decided once per layer
-    fallbacks = [r.message for r in caplog.records if "cannot run torch.float32 inputs" in r.message]
+    fallbacks = [r.message for r in caplog.records if "(torch.float32 inputs)" in r.message]
     assert len(fallbacks) == 1 and "test: no torch.float32 kernels" in fallbacks[0]
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_fused_layer_refuses_an_intermediate_size_without_whole_scale_blocks(auto, monkeypatch, caplog):
+    """fp8's backward stores [da | db] in blocks of 128 along the intermediate size: experts
+    of size 200 run stock under auto (logged) and raise, naming the size, when fused was
+    asked for."""
+    _fused_checked_by(lambda *_: None, monkeypatch)
+    converter = MegaMoEConverter(parse("--mega_moe.precision=fp8", "--mega_moe.backend=reference"), None)
+    converter.settings = converter.settings.replace(backend="fused")
+    converter.auto_backend = auto
+    model = debug_model("qwen3", moe_inter_dim=200)
+    converter.convert(model)
+    experts = next(m for m in model.modules() if isinstance(m, MegaMoE)).experts
+    x = torch.zeros(4, experts.w1.shape[2], dtype=torch.bfloat16)
+    message = "intermediate size 200 is not a multiple of 128"
+    if not auto:
+        with pytest.raises(NotImplementedError, match=message):
+            experts._settings_for(x)
+        return
+    with caplog.at_level(logging.WARNING):
+        assert experts._settings_for(x).backend == "stock"
+    assert any(message in r.message and "run backend 'stock'" in r.message for r in caplog.records)
 
 
 @pytest.mark.parametrize("backend", ["auto", "fused"])

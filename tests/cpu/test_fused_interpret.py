@@ -207,8 +207,8 @@ def test_bad_expert_ids_fail_the_call(bad_id, monkeypatch):
 
 def _check_refusals(rank, world):
     """What the buffers cannot serve is refused before anything launches: more tokens than
-    the capacity, no capacity with EP > 1, a precision that mixes formats; and buffers
-    that carry quantized rows."""
+    the capacity, no capacity with EP > 1, a precision that mixes formats, an intermediate
+    size that does not hold whole fp8 scale blocks; and buffers that carry quantized rows."""
     from titan_megamoe import fused
     from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape
@@ -221,6 +221,8 @@ def _check_refusals(rank, world):
         fused.moe_forward(x, idx, w, w1, w2, w3, None, False, small)
     with pytest.raises(NotImplementedError, match="precision 'mxfp8_wgrad_bf16' mixes formats"):
         fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="mxfp8_wgrad_bf16"))
+    with pytest.raises(NotImplementedError, match=f"intermediate size {INTER} is not a multiple of 128"):
+        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="fp8"))
     group = VirtualGroup(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="capacity_tokens_per_rank = 0 with EP = 2"):
         fused.moe_forward(x, idx, w, w1[:4], w2[:4], w3[:4], group.ranks[0], False,
