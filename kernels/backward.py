@@ -130,19 +130,25 @@ def _token_major(buffers: ForwardBuffers, fmt: Format, block_start: torch.Tensor
     return out, scales
 
 
-def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, a, a_scales, a_cols: int,
-                     b, b_scales, b_cols: int, outs: tuple[torch.Tensor, ...]) -> None:
+def _token_block_starts(buffers: ForwardBuffers, fmt: Format) -> torch.Tensor:
+    """``[local experts + 1]``: each expert's first token block in the token-major layout,
+    its rows zero-padded to whole blocks, one expert after another (read on the device)."""
+    token_block = fmt.activation_block[1]
+    blocks = (buffers.local_rows + token_block - 1) // token_block
+    block_start = torch.zeros(buffers.shape.local_experts + 1, dtype=torch.int32, device=blocks.device)
+    torch.cumsum(blocks, 0, out=block_start[1:])
+    return block_start
+
+
+def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, a,
+                     a_scales, a_cols: int, b, b_scales, b_cols: int, outs: tuple[torch.Tensor, ...]) -> None:
     """``A_e^T B_e`` over each local expert's rows, both operands quantized along the
     rows in ``fmt`` (``kernels.wgrad``), into ``outs``: one ``[experts, a_cols, b_cols]``, or
     two that split the ``a_cols`` rows in halves. ``a``, ``b``: rows whose first
     ``a_cols`` / ``b_cols`` columns are read; an operand with scales holds e4m3 rows in
-    ``fmt``'s row blocks."""
+    ``fmt``'s row blocks. ``block_start``: ``_token_block_starts``."""
     shape = buffers.shape
     token_block = fmt.activation_block[1]
-    # Each expert's rows, zero-padded to whole token blocks, packed one expert after another.
-    blocks = (buffers.local_rows + token_block - 1) // token_block
-    block_start = torch.zeros(shape.local_experts + 1, dtype=torch.int32, device=a.device)
-    torch.cumsum(blocks, 0, out=block_start[1:])
     kt = _token_major_length(shape, fmt)
     at, at_scales = _token_major(buffers, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
     bt, bt_scales = _token_major(buffers, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
@@ -256,7 +262,7 @@ def fused_backward(
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
         # One after the other, so that the first pair of token-major copies is freed
         # before the second is made.
-        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt)
+        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt, _token_block_starts(buffers, fmt))
         wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
         wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, (dw1, dw3))
     else:

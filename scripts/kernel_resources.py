@@ -29,11 +29,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver, jit
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import SHAPES  # noqa: E402  (the bench's layer shapes)
+
 SM90_SHARED_BYTES = 232448
 """Most shared memory one H100/H200 thread block may use (227 KB)."""
-
-SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
-"""hidden, intermediate, experts, top-k."""
 
 EP, TOKENS_PER_RANK, PROGRAMS, COMM_PROGRAMS = 2, 256, 132, 32
 """The group the kernels are compiled for; sizes that are runtime arguments do not change
@@ -101,8 +101,9 @@ def run_fused(precision_name: str, shape: str) -> None:
     from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
     from titan_megamoe.precision import get_precision
 
-    hidden, inter, experts, top_k = SHAPES[shape]
-    local = experts // EP
+    layer = SHAPES[shape]
+    hidden, inter, top_k = layer.hidden, layer.inter, layer.top_k
+    local = layer.experts // EP
     precision = get_precision(precision_name)
     tiles = tile_config("sm90", precision.forward.name)
     grad_tiles = tile_config("sm90", precision.dgrad.name)
@@ -116,7 +117,7 @@ def run_fused(precision_name: str, shape: str) -> None:
     buffers = ForwardBuffers(fshape, tiles, torch.device("cpu"), symmetric)
     grad = GradBuffers(buffers, symmetric, precision.dgrad, grad_tiles)
     x = torch.randn(TOKENS_PER_RANK, hidden, dtype=torch.bfloat16)
-    idx = torch.randint(0, experts, (TOKENS_PER_RANK, top_k))
+    idx = torch.randint(0, layer.experts, (TOKENS_PER_RANK, top_k))
     scores = torch.rand(TOKENS_PER_RANK, top_k)
     w1, w3 = (torch.randn(local, inter, hidden, dtype=torch.bfloat16) for _ in range(2))
     w2 = torch.randn(local, hidden, inter, dtype=torch.bfloat16)
