@@ -48,7 +48,7 @@ from titan_megamoe.kernels.forward import (
     row_buffer,
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
-from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.kernels.transpose import transpose_into
 from titan_megamoe.kernels.wgrad import token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format
@@ -85,14 +85,17 @@ class GradBuffers:
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Most bytes a backward call takes from the caching allocator besides its outputs:
     ``dab``, the score-gradient parts and the transposed weights (the GEMMs read every
-    operand K-major); quantized, also the e4m3 copies of ``dab``, of the weights and of
-    ``dy``, ``h`` for the weight gradients, and the larger pair of token-major copies."""
+    operand K-major), in e4m3 where the backward is quantized; then also the e4m3 copies
+    of ``dab`` and ``dy``, ``h`` for the weight gradients, and the larger pair of
+    token-major copies."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter = shape.hidden, shape.inter
     parts = triton.cdiv(inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * inter * hidden
-    total = (rows * 2 * inter + weights) * shape.dtype.itemsize + rows * 4 * parts
+    total = rows * 2 * inter * shape.dtype.itemsize + rows * 4 * parts
+    if not grad.grad_format.row_scale_k:
+        total += weights * shape.dtype.itemsize
     if shape.row_scale_k:
         total += rows * inter * shape.dtype.itemsize + 2 * weights // 3
     scale_k = grad.grad_format.row_scale_k
@@ -204,27 +207,28 @@ def fused_backward(
     w_fmt = fmt if scale_k else x_fmt
     # A quantized forward keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
     h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_scale_k else buffers.h
-    # K-major copies of the weights as the backward's GEMMs read them.
-    experts = shape.local_experts
-    w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
-    w13t = torch.empty(experts, shape.hidden, 2 * shape.inter, dtype=w1.dtype, device=w1.device)
-    transpose_into(w2, w2t, 0, tiles.transpose_block)
-    transpose_into(w1, w13t, 0, tiles.transpose_block)
-    transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
-    w1_scales = w3_scales = w2t_scales = w13t_scales = None
-    x_scales = dy_scales = dab_q = dab_scales = None
+    w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = None
     sent, dy_sent = x, dy
-    if x_scale_k:
-        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt)
-        if not score_before_experts:
-            sent, x_scales = quantize_rows(x, x_scale_k, x_fmt.power_of_two)
+    # K-major copies of the weights as the backward's GEMMs read them.
     if scale_k:
-        # The transposes are quantized in their own orientation: a weight block need not be
-        # square (MX's are 1 x 32), so the forward's scales do not carry over.
-        (w2t, w2t_scales), (w13t, w13t_scales) = quantize_weights([w2t, w13t], fmt)
+        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block)
+        w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block)
         dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
         dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
         dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
+    else:
+        w2t_scales = w13t_scales = None
+        experts = shape.local_experts
+        w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
+        w13t = torch.empty(experts, shape.hidden, 2 * shape.inter, dtype=w1.dtype, device=w1.device)
+        transpose_into(w2, w2t, 0, tiles.transpose_block)
+        transpose_into(w1, w13t, 0, tiles.transpose_block)
+        transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
+    # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
+    if x_scale_k and preact is None:
+        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt)
+    if x_scale_k and not score_before_experts:
+        sent, x_scales = quantize_rows(x, x_scale_k, x_fmt.power_of_two)
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     dispatch_grad_gemm1_kernel[(num_programs,)](
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,

@@ -3,13 +3,16 @@ quantized GEMM operand (activation rows, incoming gradients, the SwiGLU output),
 ``reference.quantize_blocks(t, (1, SCALE_K), power_of_two)`` specifies it.
 
 ``quantize_tile`` is the helper kernels call on a tile of fp32 values they hold;
-``quantize_rows`` runs it over a whole tensor.
+``quantize_rows`` runs it over a whole tensor. Expert weights are quantized in their
+format's weight blocks, as the forward reads them (``quantize_weights``) and transposed,
+as the backward does (``quantize_transposed``).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.transpose import transpose_into
 from titan_megamoe.precision import E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -41,17 +44,10 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
-    """``values [BLOCK_ROWS, BLOCK_COLS]`` (fp32) -> ``(q, scales)``: ``q`` the e4m3 tile,
-    ``scales [BLOCK_ROWS, BLOCK_COLS // SCALE_K]`` fp32, ``values ~= q * scale`` per row per
-    SCALE_K columns. The scale is ``amax / 448``, or with ``POWER_OF_TWO`` the power of two
-    rounded up from it (UE8M0, RCEIL); an all-zero block gets 1. Columns past the end of
-    the rows must hold 0 (a partial last block then quantizes as the reference's padded one)."""
-    BLOCK_ROWS: tl.constexpr = values.shape[0]
-    BLOCK_COLS: tl.constexpr = values.shape[1]
-    tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
-    blocks = tl.reshape(values, (BLOCK_ROWS, BLOCK_COLS // SCALE_K, SCALE_K))
-    amax = tl.max(tl.abs(blocks), axis=2)
+def e4m3_scale(amax, POWER_OF_TWO: tl.constexpr):
+    """The scale of a block whose largest magnitude is ``amax`` (fp32, any shape):
+    ``amax / 448``, or with ``POWER_OF_TWO`` the power of two rounded up from it (UE8M0,
+    RCEIL); 1 for an all-zero block."""
     # Correctly rounded divisions, as torch's (Triton's plain fp32 `/` is approximate on GPUs).
     ratio = tl.div_rn(amax, _E4M3_MAX)
     if POWER_OF_TWO:
@@ -65,7 +61,20 @@ def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
         scale = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
     else:
         scale = ratio
-    scale = tl.where(amax > 0, scale, 1.0)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
+    """``values [BLOCK_ROWS, BLOCK_COLS]`` (fp32) -> ``(q, scales)``: ``q`` the e4m3 tile,
+    ``scales [BLOCK_ROWS, BLOCK_COLS // SCALE_K]`` fp32, ``values ~= q * scale`` per row per
+    SCALE_K columns (``e4m3_scale``). Columns past the end of
+    the rows must hold 0 (a partial last block then quantizes as the reference's padded one)."""
+    BLOCK_ROWS: tl.constexpr = values.shape[0]
+    BLOCK_COLS: tl.constexpr = values.shape[1]
+    tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
+    blocks = tl.reshape(values, (BLOCK_ROWS, BLOCK_COLS // SCALE_K, SCALE_K))
+    scale = e4m3_scale(tl.max(tl.abs(blocks), axis=2), POWER_OF_TWO)
     q = _round_to_e4m3(tl.div_rn(blocks, scale[:, :, None])).to(tl.float8e4nv)
     return tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS)), scale
 
@@ -118,31 +127,37 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool) -> tuple[to
 
 @triton.jit
 def quantize_weight_blocks_kernel(
-    w, q, scales, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    POWER_OF_TWO: tl.constexpr,
+    w, q, scales, col0, N: tl.constexpr, K: tl.constexpr, OUT_COLS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """One ``BLOCK_N x BLOCK_K`` block of expert ``program_id(0)``'s ``w [N, K]`` per
-    program: its e4m3 values into ``q``, its one scale into
-    ``scales [E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)]`` (``quantize_tile`` over the whole
-    block as one group)."""
+    program, quantized with one scale (``e4m3_scale`` of its largest magnitude). Straight:
+    into ``q [E, N, K]`` and ``scales [E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)]``. With
+    ``TRANSPOSE``: ``q [E, K, OUT_COLS]`` gets ``w[e].T`` at columns ``col0 + n`` and
+    ``scales [E, cdiv(K, BLOCK_K), cdiv(OUT_COLS, BLOCK_N)]`` likewise (the block is the
+    transposed tensor's ``BLOCK_K x BLOCK_N`` block)."""
     e = tl.program_id(0).to(tl.int64)
     nb, kb = tl.program_id(1), tl.program_id(2)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
-    at = e * N * K + rows[:, None] * K + cols[None, :]
-    values = tl.load(w + at, mask=mask, other=0.0).to(tl.float32)
-    block_q, block_scale = quantize_tile(tl.reshape(values, (1, BLOCK_N * BLOCK_K)), BLOCK_N * BLOCK_K, POWER_OF_TWO)
-    tl.store(q + at, tl.reshape(block_q, (BLOCK_N, BLOCK_K)), mask=mask)
-    scale_at = (e * tl.cdiv(N, BLOCK_N) + nb) * tl.cdiv(K, BLOCK_K) + kb
-    tl.store(scales + scale_at, tl.max(tl.reshape(block_scale, (1,)), axis=0))
+    values = tl.load(w + e * N * K + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), POWER_OF_TWO)
+    block_q = _round_to_e4m3(tl.div_rn(values, scale)).to(tl.float8e4nv)
+    if TRANSPOSE:
+        at = e * K * OUT_COLS + cols[:, None] * OUT_COLS + col0 + rows[None, :]
+        tl.store(q + at, tl.trans(block_q), mask=tl.trans(mask))
+        tl.store(scales + (e * tl.cdiv(K, BLOCK_K) + kb) * tl.cdiv(OUT_COLS, BLOCK_N) + col0 // BLOCK_N + nb, scale)
+    else:
+        tl.store(q + e * N * K + rows[:, None] * K + cols[None, :], block_q, mask=mask)
+        tl.store(scales + (e * tl.cdiv(N, BLOCK_N) + nb) * tl.cdiv(K, BLOCK_K) + kb, scale)
 
 
 def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Expert weights ``[E, N, K]`` as ``(e4m3 values, scales [E, cdiv(N, bn), cdiv(K, bk)])``
     with ``(bn, bk)`` the format's weight block, bit for bit
-    ``reference.quantize_blocks(w, (bn, bk), power_of_two)``. On every call for now; a
-    cache per FSDP all-gather comes next."""
+    ``reference.quantize_blocks(w, (bn, bk), power_of_two)``. On every call: the weights
+    may have changed since the last one."""
     bn, bk = fmt.weight_block
     quantized = []
     for w in weights:
@@ -155,7 +170,45 @@ def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[tor
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(experts, triton.cdiv(n, bn), triton.cdiv(k, bk), dtype=torch.float32, device=w.device)
         quantize_weight_blocks_kernel[scales.shape](
-            w, q, scales, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two, num_warps=8,
+            w, q, scales, 0, N=n, K=k, OUT_COLS=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two,
+            TRANSPOSE=False, num_warps=8,
         )
         quantized.append((q, scales))
     return quantized
+
+
+def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weights ``[E, N_i, K]`` transposed and side by side,
+    ``t = cat([w.transpose(1, 2) for w in weights], dim=2)`` (``[E, K, sum N_i]``), quantized
+    in the format's weight blocks: ``(e4m3 values, scales)``, bit for bit
+    ``reference.quantize_blocks(t, fmt.weight_block, fmt.power_of_two)``. The backward's
+    GEMMs read the weights K-major this way. Blocks of more than one row are quantized
+    straight from ``weights`` (one read, one e4m3 write); rows of blocks (MX's 1 x 32) from
+    a transposed copy (``transpose_block``: its tile)."""
+    bn, bk = fmt.weight_block
+    weights = [w.contiguous() for w in weights]
+    experts, _, k = weights[0].shape
+    cols = sum(w.shape[1] for w in weights)
+    if bn == 1:
+        t = torch.empty(experts, k, cols, dtype=weights[0].dtype, device=weights[0].device)
+        col0 = 0
+        for w in weights:
+            transpose_into(w, t, col0, transpose_block)
+            col0 += w.shape[1]
+        ((q, scales),) = quantize_weights([t], fmt)
+        return q, scales
+    q = torch.empty(experts, k, cols, dtype=torch.float8_e4m3fn, device=weights[0].device)
+    scales = torch.empty(experts, triton.cdiv(k, bn), triton.cdiv(cols, bk), dtype=torch.float32,
+                         device=weights[0].device)
+    col0 = 0
+    for w in weights:
+        n = w.shape[1]
+        if col0 % bk or (n % bk and w is not weights[-1]):
+            raise ValueError(f"weights of {n} rows at column {col0} do not fill whole {bn} x {bk} blocks")
+        # The transposed tensor's (bn, bk) block is a (bk, bn) block of the weight.
+        quantize_weight_blocks_kernel[(experts, triton.cdiv(n, bk), triton.cdiv(k, bn))](
+            w, q, scales, col0, N=n, K=k, OUT_COLS=cols, BLOCK_N=bk, BLOCK_K=bn,
+            POWER_OF_TWO=fmt.power_of_two, TRANSPOSE=True, num_warps=8,
+        )
+        col0 += n
+    return q, scales

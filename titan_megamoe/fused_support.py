@@ -21,11 +21,12 @@ SERVED_DTYPES = {
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
 AUTO_PRECISIONS = {
-    "sm90": ("bf16",),
+    "sm90": ("bf16", "fp8"),
     "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
-fused layer the bench has measured faster than stock there. The others run fused when
+fused layer the bench has measured faster than the same job without ``mega_moe`` there
+(``fp8``: stock with torchao's FP8 recipe, ``docs/perf.md``). The others run fused when
 asked for (``backend = "fused"``) and go to the stock backend under ``auto``."""
 
 

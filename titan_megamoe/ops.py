@@ -75,7 +75,8 @@ def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_expe
 
 def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group, score_before_experts, settings):
     return reference.moe_backward(
-        dy, x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
+        dy, x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision,
+        settings.save_gemm1,
     )
 
 

@@ -301,10 +301,14 @@ def moe_backward(
     group: dist.ProcessGroup | None,
     score_before_experts: bool,
     precision: Precision,
+    saved_gemm1: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dx, d_topk_w, dw1, dw2, dw3)`` of ``moe_forward`` given ``dy``.
 
     The dispatch and the first GEMM are recomputed from the inputs (forward format).
+    ``saved_gemm1``: the forward kept GEMM1's pre-activations in x's dtype (the operator's
+    ``save_gemm1``), so the SwiGLU backward reads them rounded to it. Quantized, the
+    rounding matters: it moves ``[da | db]`` across e4m3 rounding boundaries.
     """
     prec = precision
     num_tokens, top_k = topk_idx.shape
@@ -332,6 +336,9 @@ def moe_backward(
         rows = (layout.recv_expert == e).nonzero().squeeze(1)
         xe, ge = recv_x[rows], recv_grad[rows]
         a, b, h = _gate_up(xe, w1[e], w3[e], prec.forward, x.dtype, x_link.quantized)
+        if saved_gemm1:
+            a, b = _acc(a.to(x.dtype)), _acc(b.to(x.dtype))
+            h = (F.silu(a) * b).to(x.dtype)
         sig = torch.sigmoid(a)
 
         dh = gemm(ge, w2[e].T, prec.dgrad, True, a_arrived=dy_link.quantized)

@@ -33,8 +33,9 @@ class OperatorSettings:
     comm_sms: int = 0
     """Fused: programs that dispatch rows before joining the first GEMM (0: the default)."""
     save_gemm1: bool = False
-    """Fused: the forward keeps GEMM1's pre-activations for the backward (else the
-    backward recomputes GEMM1)."""
+    """Fused: the forward keeps GEMM1's pre-activations, in the activations' dtype, for
+    the backward (else the backward recomputes GEMM1). The reference recomputes them and
+    rounds them to that dtype, so that both backends compute the same gradients."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Fused: wall-clock limit of any wait on a peer; past it every rank raises."""
 

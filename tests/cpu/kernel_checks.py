@@ -12,7 +12,7 @@ import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.mainloop import tile_gemm
-from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Format
 from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
 
@@ -192,8 +192,8 @@ def check_quantize(device, rows: int, cols: int, seed: int) -> None:
 
 
 def check_quantize_weights(device, seed: int) -> None:
-    """``quantize_weights`` against ``reference.quantize_blocks`` (on the CPU), bit for bit,
-    in both formats' weight blocks, on weights with partial blocks along N and K and the
+    """``quantize_weights`` and ``quantize_transposed`` against ``reference.quantize_blocks``
+    (on the CPU), bit for bit, in both formats' weight blocks, on weights with partial blocks along N and K and the
     hard cases of ``quantize_input`` in their rows."""
     g = torch.Generator().manual_seed(seed)
     for fmt in (FP8_BLOCK, MXFP8):
@@ -205,3 +205,14 @@ def check_quantize_weights(device, seed: int) -> None:
         assert torch.equal(got, want), (fmt.name, "e4m3", _first_difference(got, want), f"seed {seed}")
         got, want = scales.cpu().view(torch.int32), scales_ref.view(torch.int32)
         assert torch.equal(got, want), (fmt.name, "scales", _first_difference(got, want), f"seed {seed}")
+        # Transposed side by side, as the backward reads them: the first weight fills whole
+        # blocks, the last ends in a partial one along both dimensions.
+        pair = [w[:, :256], w]
+        q, scales = quantize_transposed([p.to(device) for p in pair], fmt, transpose_block=32)
+        q_ref, scales_ref = quantize_blocks(torch.cat([p.transpose(1, 2) for p in pair], dim=2),
+                                            fmt.weight_block, fmt.power_of_two)
+        assert q.shape == q_ref.shape and scales.shape == scales_ref.shape, (fmt.name, q.shape, scales.shape)
+        got, want = q.cpu().view(torch.uint8), q_ref.view(torch.uint8)
+        assert torch.equal(got, want), (fmt.name, "transposed e4m3", _first_difference(got, want), f"seed {seed}")
+        got, want = scales.cpu().view(torch.int32), scales_ref.view(torch.int32)
+        assert torch.equal(got, want), (fmt.name, "transposed scales", _first_difference(got, want), f"seed {seed}")

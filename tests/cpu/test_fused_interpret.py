@@ -358,7 +358,7 @@ def _quantized_matches_reference(rank, world, precision):
         y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
-        grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec)
+        grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
         case = (precision, num_tokens, routing, score_before, save)
         assert torch.equal(counts, counts_ref), case
         for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):

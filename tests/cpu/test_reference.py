@@ -206,6 +206,30 @@ def test_fp8_rows_cross_the_link_quantized_and_weight_gradients_requantize_them(
     assert rel_err(dw2_from_bf16, dw2_spec) > 1e-2  # the two choices are told apart
 
 
+def test_saved_gemm1_reads_the_preactivations_in_the_activation_dtype():
+    """With ``save_gemm1`` the fused forward keeps GEMM1's pre-activations in x's dtype;
+    the reference backend rounds its recomputed ones the same way, so that the two
+    backends' backwards agree (quantized, that rounding moves ``[da | db]`` across e4m3
+    rounding boundaries)."""
+    from titan_megamoe import reference
+    from titan_megamoe.precision import get_precision
+
+    x, idx, w = make_problem(37, "random", seed=0)
+    x, weights = x.bfloat16(), [t.bfloat16() for t in make_weights()]
+    dy = torch.randn_like(x)
+    fp8_bwd = get_precision("fp8_bwd")
+    recomputed = reference.moe_backward(dy, x, idx, w, *weights, None, False, fp8_bwd)
+    saved = reference.moe_backward(dy, x, idx, w, *weights, None, False, fp8_bwd, saved_gemm1=True)
+    assert 0 < rel_err(saved[0], recomputed[0]) < 5e-2
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, *weights)]
+    settings = OperatorSettings(backend="reference", precision="fp8_bwd", save_gemm1=True)
+    y, _ = mega_moe(leaves[0], idx, w, *leaves[1:], None, score_before_experts=False, settings=settings)
+    y.backward(dy)
+    for got, want in zip([t.grad for t in leaves], saved[:1] + saved[2:]):
+        assert torch.equal(got, want)
+
+
 def test_round_to_e4m3_is_the_nearest_e4m3_ties_to_even():
     """The spec rounds to e4m3 itself (its cast is then exact on every device): every
     e4m3 value stays put, values between two neighbours go to the nearer, midpoints to the

@@ -88,7 +88,7 @@ def _check_scenarios(rank: int, world: int, precision: str):
             dy = torch.randn_like(problem[0])
             poison_fused_buffers()
             got, counts = run("fused", problem, dy, score_before, save_gemm1)
-            ref, counts_ref = run("reference", problem, dy, score_before)
+            ref, counts_ref = run("reference", problem, dy, score_before, save_gemm1)
             ref32, _ = run("reference", problem, dy, score_before, dtype=torch.float32, precision="bf16")
             torch.cuda.synchronize()
             for name, a, b, b32 in zip(OUTPUTS, got, ref, ref32):
