@@ -61,11 +61,13 @@ TOLERANCES = {"bf16": (BF16_TOLERANCE, BF16_TOLERANCE), "fp8": (BF16_TOLERANCE, 
               "fp8_bwd": (BF16_TOLERANCE, 8e-2)}
 """Precision -> (against the same-precision reference, against fp32): DESIGN.md's."""
 
-FP32_BOUND_MIN_VALUES = 1024
-"""The bound against fp32 is a statistic of quantization noise: it holds for tensors of
-many values. A single token's ``d_topk_w`` (top_k dot products over the hidden size, each
-with cancellation) lies 8-16% from fp32 in fp8, the same-precision reference's as much
-as ours; such tensors are held to the reference bound alone."""
+STATISTICAL_MIN_ROWS, STATISTICAL_MIN_VALUES = 64, 1024
+"""Quantized, the relative-error bounds are statistics of e4m3 rounding noise: they hold
+for tensors of many rows (against the same-precision reference) and many values (against
+fp32). Single rows scatter: a single token's dx lies 2e-3 to 1e-2 from the reference's
+(random tokens' worst rows reach 2.4e-2), its ``d_topk_w`` (top_k dot products with
+cancellation) 8-16% from fp32, the reference's as much as ours. Tensors of fewer rows are
+held to the row bound against the reference, and to no bound against fp32."""
 
 
 def _check_scenarios(rank: int, world: int, precision: str):
@@ -103,8 +105,12 @@ def _check_scenarios(rank: int, world: int, precision: str):
                 row = max_row_error(a, b)
                 print(f"rank {rank} {precision} {kind} score_before={score_before} save={save_gemm1} {name}: "
                       f"vs reference {err_ref:.2e} (worst row {row:.2e}), vs fp32 {err32:.2e}")
-                assert err_ref < same_tolerance, (kind, score_before, name, err_ref)
-                if a.numel() >= FP32_BOUND_MIN_VALUES:
+                quantized = precision != "bf16"
+                if not quantized or a.shape[0] >= STATISTICAL_MIN_ROWS:
+                    assert err_ref < same_tolerance, (kind, score_before, name, err_ref)
+                else:
+                    assert err_ref < ROW_TOLERANCE, (kind, score_before, name, err_ref)
+                if not quantized or a.numel() >= STATISTICAL_MIN_VALUES:
                     assert err32 < fp32_tolerance, (kind, score_before, name, err32)
                 if name in ("y", "dx"):
                     assert row < ROW_TOLERANCE, (kind, score_before, name, row)
