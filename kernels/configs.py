@@ -46,6 +46,8 @@ class TileConfig:
     """Rows a dispatching program moves per step."""
     copy_cols: int
     reduce_tokens: int
+    """Most tokens per combine-reduction block; a call with fewer blocks than programs
+    halves it (down to ``REDUCE_MIN_TOKENS``) so that every program gets a block."""
     reduce_cols: int
     reduce_warps: int
     """The combine reduction runs one program per SM it is given (it spins on

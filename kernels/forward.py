@@ -327,17 +327,33 @@ def fused_forward(
     return y, tokens_per_expert
 
 
+REDUCE_MIN_TOKENS = 8
+"""Fewest tokens per combine-reduction block ``reduce_tokens`` picks (each halving is
+another compiled variant)."""
+
+
+def reduce_tokens(most: int, num_tokens: int, num_programs: int) -> int:
+    """Tokens per combine-reduction block: ``most`` (the tile table's), halved while the
+    call's blocks would leave programs idle. The reduction moves ``k`` rows per token and
+    is bound by memory: 4,096 tokens in 64-token blocks fill 64 of 132 SMs."""
+    block_t = most
+    while block_t > REDUCE_MIN_TOKENS and triton.cdiv(num_tokens, block_t) < num_programs:
+        block_t //= 2
+    return block_t
+
+
 def reduce(buffers: ForwardBuffers, topk_w, x, out, dot_out, num_tokens: int, top_k: int,
            num_programs: int, scale_by_score: bool, score_dot: bool) -> None:
     """Sum each token's k combined rows into ``out``; ``score_dot``: also ``<row, x>`` per
     slot into ``dot_out [T, k]`` (see ``combine_reduce_kernel``)."""
     shape, tiles = buffers.shape, buffers.tiles
-    blocks = max(1, triton.cdiv(num_tokens, tiles.reduce_tokens))
+    block_t = reduce_tokens(tiles.reduce_tokens, num_tokens, num_programs)
+    blocks = max(1, triton.cdiv(num_tokens, block_t))
     combine_reduce_kernel[(min(blocks, num_programs),)](
         buffers.combine, topk_w, x, out, dot_out, buffers.flags, buffers.flag_ptrs, buffers.state,
         num_tokens, shape.rank, shape.ep,
         HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=pad(top_k), SCALE_BY_SCORE=scale_by_score,
         SCORE_DOT=score_dot, COMBINE_READY=buffers.flag_layout.combine_ready,
-        EP_PAD=pad(shape.ep), BLOCK_T=tiles.reduce_tokens, BLOCK_H=tiles.reduce_cols,
+        EP_PAD=pad(shape.ep), BLOCK_T=block_t, BLOCK_H=tiles.reduce_cols,
         num_warps=tiles.reduce_warps,
     )

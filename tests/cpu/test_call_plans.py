@@ -68,3 +68,15 @@ def _one_plan_per_kind(rank, world):
 def test_fused_backend_plans_each_kind_of_call_once(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_one_plan_per_kind, 1, timeout_s=300)
+
+
+@pytest.mark.parametrize(
+    "most, num_tokens, programs, expected",
+    [(64, 16384, 132, 64), (64, 4096, 132, 16), (64, 1, 132, 8), (64, 4096, 33, 64), (4, 10, 132, 4)],
+)
+def test_reduce_blocks_fill_the_programs(most, num_tokens, programs, expected):
+    """The combine reduction is bound by memory: a call whose token blocks would leave
+    programs idle takes smaller blocks, down to a floor (each size is a compiled variant)."""
+    from titan_megamoe.kernels.forward import reduce_tokens
+
+    assert reduce_tokens(most, num_tokens, programs) == expected
