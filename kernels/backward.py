@@ -83,28 +83,28 @@ class GradBuffers:
 
 
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
-    """Most bytes a backward call takes from the caching allocator besides its outputs:
-    ``dab``, the score-gradient parts and the transposed weights (the GEMMs read every
-    operand K-major), in e4m3 where the backward is quantized; then also the e4m3 copies
-    of ``dab`` and ``dy``, ``h`` for the weight gradients, and the larger pair of
-    token-major copies."""
+    """Most bytes a backward call takes from the caching allocator at once besides its
+    outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
+    transposed weights (the GEMMs read every operand K-major), in e4m3 where the backward
+    is quantized, with the e4m3 copies of ``dab`` and ``dy``; then, quantized, a pair of
+    token-major copies for the weight gradients. A quantized forward adds ``h`` for the
+    weight gradients and GEMM1's e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter = shape.hidden, shape.inter
     parts = triton.cdiv(inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * inter * hidden
     total = rows * 2 * inter * shape.dtype.itemsize + rows * 4 * parts
-    if not grad.grad_format.row_scale_k:
-        total += weights * shape.dtype.itemsize
     if shape.row_scale_k:
         total += rows * inter * shape.dtype.itemsize + 2 * weights // 3
     scale_k = grad.grad_format.row_scale_k
-    if scale_k:
-        scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
-        kt = _token_major_length(shape, grad.grad_format)
-        token_major = kt * max(hidden + inter, 2 * inter + hidden)
-        total += int((rows * 2 * inter + weights + shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
-    return total
+    if not scale_k:
+        return total + weights * shape.dtype.itemsize
+    scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
+    kt = _token_major_length(shape, grad.grad_format)
+    token_major = kt * max(hidden + inter, 2 * inter + hidden)
+    through_dgrad = rows * 2 * inter + weights + shape.capacity_tokens_per_rank * hidden
+    return total + int(max(through_dgrad, shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
 
 
 def _token_major_length(shape, fmt: Format) -> int:
@@ -114,8 +114,8 @@ def _token_major_length(shape, fmt: Format) -> int:
     return token_block * (triton.cdiv(shape.ep * shape.rows_per_rank, token_block) + shape.local_experts)
 
 
-def _token_major(buffers: ForwardBuffers, fmt: Format, block_start: torch.Tensor, kt: int, t, t_scales,
-                 stride: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, kt: int,
+                 t, t_scales, stride: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``cols`` columns of the rows ``t`` (rows of ``stride``; e4m3 in ``fmt``'s
     row blocks when ``t_scales`` is given) as ``token_major_kernel`` lays them out:
     ``([cols, kt] e4m3, [cols, kt / token block] scales)``."""
@@ -128,7 +128,7 @@ def _token_major(buffers: ForwardBuffers, fmt: Format, block_start: torch.Tensor
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=stride, COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=token_block,
-        LOCAL_PAD=pad(shape.local_experts), num_warps=4,
+        LOCAL_PAD=pad(shape.local_experts), num_warps=tiles.token_major_warps,
     )
     return out, scales
 
@@ -153,8 +153,8 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     shape = buffers.shape
     token_block = fmt.activation_block[1]
     kt = _token_major_length(shape, fmt)
-    at, at_scales = _token_major(buffers, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
-    bt, bt_scales = _token_major(buffers, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
+    at, at_scales = _token_major(buffers, tiles, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
+    bt, bt_scales = _token_major(buffers, tiles, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
     grid = (shape.local_experts, triton.cdiv(a_cols, tiles.wgrad_m), triton.cdiv(b_cols, tiles.wgrad_n))
     wgrad_kernel[grid](
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
@@ -261,13 +261,17 @@ def fused_backward(
         OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
+    # The weight gradients read neither: their memory goes to what those allocate (the
+    # caching allocator hands it out in stream order, after the kernel above).
+    del w2t, w13t, w2t_scales, w13t_scales, dab_q, dab_scales
 
     if scale_k:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
-        # One after the other, so that the first pair of token-major copies is freed
-        # before the second is made.
+        # One after the other, so that the first pair of token-major copies (and the
+        # quantized forward's h copy) is freed before the second is made.
         wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt, _token_block_starts(buffers, fmt))
         wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
+        del h_wgrad
         wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, (dw1, dw3))
     else:
         bm = tiles.block_m

@@ -61,6 +61,8 @@ class TileConfig:
     wgrad_warps: int = 8
     wgrad_stages: int = 3
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
+    token_major_warps: int = 4
+    """Warps of a token-major copy program (one token block by one column block)."""
     gemm2_overlap: int = 1
     """1: GEMM2's tile loop is flattened into its K loop, so the next tile's loads overlap
     this tile's epilogue (more registers); 0: tiles one after another."""

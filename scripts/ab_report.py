@@ -1,6 +1,7 @@
-"""Compare two TorchTitan training logs of the same TOML: stock MoE against mega_moe.
+"""Compare TorchTitan training logs of the same TOML: stock MoE against mega_moe, and more runs.
 
     python scripts/ab_report.py --stock stock.log --mega-moe mega_moe.log [--window 6-20] [--out DIR]
+        [--also NAME=LOG ...] [--baseline NAME]
 
 Reads TorchTitan 0.2.2's per-step line (colour codes and torchrun's ``[rankN]:`` prefix
 allowed; log_freq must be 1 over the window)
@@ -8,10 +9,12 @@ allowed; log_freq must be 1 over the window)
     [titan] 2025-01-01 12:00:00,123 - root - INFO - step:  7  loss:  5.12345  grad_norm:  1.2345
     memory: 40.12GiB(29.50%)  tps: 7,886  tflops: 123.45  mfu: 12.34%
 
-and prints a markdown table: mean step time (the gap between consecutive step lines'
-timestamps) and tokens/s/GPU (TorchTitan's tps) over the window, peak reserved memory,
-final loss, speedup and the largest per-step loss difference. Writes ab.json,
-ab.md and loss.png (when matplotlib is installed) to the output folder.
+and prints a markdown table, one row per run: mean step time (the gap between consecutive
+step lines' timestamps) and tokens/s/GPU (TorchTitan's tps) over the window, peak reserved
+memory, final loss, and the speedup and largest per-step loss difference against the
+baseline run (--baseline, default stock); below it mega_moe's speedup and largest loss
+difference against stock. Writes ab.json, ab.md and loss.png (when matplotlib is
+installed) to the output folder.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +37,7 @@ _STEP = re.compile(
     r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%"
 )
 _TOTAL_STEPS = re.compile(r"total steps (\d+)")
+_RUN_NAME = re.compile(r"[\w.+-]+")
 
 
 class LogError(ValueError):
@@ -96,6 +101,25 @@ def parse_window(text: str) -> tuple[int, int]:
     return int(first), int(last)
 
 
+def parse_also(values: list[str]) -> dict[str, Path]:
+    """``--also NAME=LOG`` values as {NAME: LOG}; ValueError naming the bad value."""
+    also: dict[str, Path] = {}
+    for value in values:
+        name, sep, log = value.partition("=")
+        if not sep:
+            raise ValueError(f"{value!r}: expected NAME=LOG, e.g. stock_bf16=outputs/ab/x/stock_bf16.log")
+        if not _RUN_NAME.fullmatch(name):
+            raise ValueError(f"{value!r}: the run name before '=' must be letters, digits, '_', '.', '+' or '-', "
+                             "and not empty")
+        taken = ["stock", "mega_moe", *also]
+        if name in taken:
+            raise ValueError(f"{value!r}: the run name {name!r} is given twice (runs so far: {', '.join(taken)})")
+        if not Path(log).is_file():
+            raise ValueError(f"{value!r}: no such log file {log!r}")
+        also[name] = Path(log)
+    return also
+
+
 def summarize(run: Run, window: tuple[int, int]) -> dict:
     first, last = window
     needed = range(first - 1, last + 1)
@@ -124,37 +148,59 @@ def summarize(run: Run, window: tuple[int, int]) -> dict:
     }
 
 
-def compare(stock: Run, mega: Run, window: tuple[int, int]) -> dict:
-    summaries = {run.name: summarize(run, window) for run in (stock, mega)}
-    common = sorted(set(stock.steps) & set(mega.steps))
-    differences = {s: abs(stock.steps[s].loss - mega.steps[s].loss) for s in common}
+def versus(run: Run, baseline: Run, summaries: dict) -> dict:
+    """``run`` against ``baseline``: the speedup (baseline step time / run step time) and
+    the largest |loss difference| over the steps both logged, with its step."""
+    common = sorted(set(run.steps) & set(baseline.steps))
+    differences = {s: abs(run.steps[s].loss - baseline.steps[s].loss) for s in common}
     # A NaN difference (a diverged run) counts as the worst.
     worst = max(differences, key=lambda s: (math.isnan(differences[s]), differences[s]))
     return {
-        "window": list(window),
-        "runs": summaries,
-        "speedup": summaries[stock.name]["step_time_s"] / summaries[mega.name]["step_time_s"],
+        "speedup": summaries[baseline.name]["step_time_s"] / summaries[run.name]["step_time_s"],
         "max_abs_loss_diff": differences[worst],
         "max_abs_loss_diff_step": worst,
-        "loss": {run.name: {s: st.loss for s, st in sorted(run.steps.items())} for run in (stock, mega)},
+    }
+
+
+def compare(stock: Run, mega: Run, window: tuple[int, int], also: Sequence[Run] = (),
+            baseline: str = "stock") -> dict:
+    """Every run summarized over ``window``, every run but ``baseline`` against it
+    (``vs_baseline``), and mega_moe against stock (the top-level speedup and loss difference)."""
+    runs = {run.name: run for run in (stock, mega, *also)}
+    summaries = {name: summarize(run, window) for name, run in runs.items()}
+    return {
+        "window": list(window),
+        "runs": summaries,
+        **versus(mega, stock, summaries),
+        "baseline": baseline,
+        "vs_baseline": {name: versus(run, runs[baseline], summaries)
+                        for name, run in runs.items() if name != baseline},
+        "loss": {name: {s: st.loss for s, st in sorted(run.steps.items())} for name, run in runs.items()},
     }
 
 
 def markdown(result: dict) -> str:
     first, last = result["window"]
+    baseline = result["baseline"]
     rows = [
-        f"| run | step time (ms), steps {first}-{last} | tokens/s/GPU | peak reserved memory (GiB) | final loss |",
-        "| --- | --- | --- | --- | --- |",
+        f"| run | step time (ms), steps {first}-{last} | tokens/s/GPU | peak reserved memory (GiB) | final loss "
+        f"| speedup vs {baseline} | max abs loss diff vs {baseline} (step) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, s in result["runs"].items():
+        if name == baseline:
+            against = "baseline | baseline"
+        else:
+            vs = result["vs_baseline"][name]
+            against = f"{vs['speedup']:.3f}x | {vs['max_abs_loss_diff']:.4g} (step {vs['max_abs_loss_diff_step']})"
         rows.append(
             f"| {name} | {1000 * s['step_time_s']:.1f} | {s['tokens_per_s_per_gpu']:,.0f} | "
-            f"{s['peak_memory_gib']:.2f} | {s['final_loss']:.4f} (step {s['final_step']}) |"
+            f"{s['peak_memory_gib']:.2f} | {s['final_loss']:.4f} (step {s['final_step']}) | {against} |"
         )
     rows += [
         "",
         f"Speedup (stock step time / mega_moe step time): **{result['speedup']:.3f}x**  ",
-        f"Max |loss difference| per step: {result['max_abs_loss_diff']:.4g} "
+        f"Max |loss difference| per step (mega_moe vs stock): {result['max_abs_loss_diff']:.4g} "
         f"(step {result['max_abs_loss_diff_step']})",
     ]
     return "\n".join(rows) + "\n"
@@ -173,19 +219,27 @@ def plot_loss(result: dict, path: Path) -> None:
         2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
     losses = result["loss"]
+    baseline = result["baseline"]
+    colors = {}
     for name, curve in losses.items():
-        ax.plot(list(curve), list(curve.values()), label=name, marker=".")
+        (line,) = ax.plot(list(curve), list(curve.values()), label=name, marker=".")
+        colors[name] = line.get_color()
     ax.set_ylabel("loss")
-    ax.set_title(f"speedup {result['speedup']:.2f}x, max |loss diff| {result['max_abs_loss_diff']:.3g}")
+    ax.set_title("\n".join(
+        f"{name} vs {baseline}: speedup {vs['speedup']:.2f}x, max |loss diff| {vs['max_abs_loss_diff']:.3g}"
+        for name, vs in result["vs_baseline"].items()
+    ), fontsize="medium")
     ax.legend()
     ax.grid(alpha=0.3)
-    # The curves usually overlap; their difference shows what the top panel hides.
-    stock, mega = losses["stock"], losses["mega_moe"]
-    common = sorted(set(stock) & set(mega))
-    diff_ax.plot(common, [mega[s] - stock[s] for s in common], color="black", marker=".")
+    # The curves usually overlap; their differences show what the top panel hides.
+    base, compared = losses[baseline], list(result["vs_baseline"])
+    for name in compared:
+        curve = losses[name]
+        common = sorted(set(curve) & set(base))
+        diff_ax.plot(common, [curve[s] - base[s] for s in common], color=colors[name], marker=".")
     diff_ax.axhline(0.0, color="gray", linewidth=0.8)
     diff_ax.set_xlabel("step")
-    diff_ax.set_ylabel("mega_moe - stock")
+    diff_ax.set_ylabel(f"{compared[0] if len(compared) == 1 else 'run'} - {baseline}")
     diff_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -199,13 +253,25 @@ def main() -> None:
     parser.add_argument("--window", type=parse_window, default=(6, 20),
                         help="steps FIRST-LAST to average step time and throughput over (default 6-20)")
     parser.add_argument("--out", type=Path, help="output folder (default: the mega_moe log's folder)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=LOG",
+                        help="log of a further run, shown as NAME (repeatable)")
+    parser.add_argument("--baseline", default="stock", metavar="NAME",
+                        help="run the table's speedups and loss differences are taken against (default stock)")
     args = parser.parse_args()
     out = args.out or args.mega_moe.parent
+    try:
+        also = parse_also(args.also)
+    except ValueError as error:
+        parser.error(f"argument --also: {error}")
+    names = ["stock", "mega_moe", *also]
+    if args.baseline not in names:
+        parser.error(f"argument --baseline: {args.baseline!r} is not a run (choose from {', '.join(names)})")
 
     try:
         stock = parse_log(args.stock.read_text(errors="replace"), "stock")
         mega = parse_log(args.mega_moe.read_text(errors="replace"), "mega_moe")
-        result = compare(stock, mega, args.window)
+        others = [parse_log(log.read_text(errors="replace"), name) for name, log in also.items()]
+        result = compare(stock, mega, args.window, others, args.baseline)
     except LogError as error:
         sys.exit(f"ab_report: {error}")
 

@@ -1,10 +1,13 @@
 """The README's commands on a machine without a GPU: bench_layer's argument checks, its
 CPU A/B (first line at once, progress, a table without empty columns, a titled plot),
-the training scripts refusing at once, and every SM90 kernel compiled here fitting the
-GPU's shared memory."""
+the training scripts refusing at once, the training A/B's stock TOMLs, its report of
+two or three runs and its optional stock_bf16 run, and every SM90 kernel compiled here
+fitting the GPU's shared memory."""
 
+import json
 import os
 import selectors
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ import torch
 from titan_megamoe.precision import PRECISION_CHOICES
 
 from script_modules import load_script
+from titan_logs import synthetic_log
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -23,6 +27,8 @@ CPU = torch.device("cpu")
 NO_GPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
+ab_report = load_script("ab_report")
+ab_stock_toml = load_script("ab_stock_toml")
 bench_layer = load_script("bench_layer")
 profile_layer = load_script("profile_layer")
 
@@ -310,6 +316,208 @@ def test_wgrad_source_error_tells_the_two_sources_apart():
         assert abs(mxfp8["requantized"][name] - mxfp8["from bf16"][name]) < 1e-3, (name, mxfp8)
 
 
+# ---------------------------------------------------------------- training A/B
+
+
+def _fp8_ab_logs(monkeypatch) -> dict[str, str]:
+    """Synthetic logs of an FP8 A/B's three runs over 20 steps: step time 1.25 s (stock_bf16),
+    1.5 s (stock), 0.75 s (mega_moe); stock's loss is 0.07 off stock_bf16's at step 8,
+    mega_moe's 0.04 at step 15 (elsewhere 0.01 and 0.02)."""
+    n = 20
+    bf16 = [8.0 - 0.2 * i for i in range(n)]
+    losses = {
+        "stock_bf16": bf16,
+        "stock": [v + (0.07 if i == 7 else 0.01) for i, v in enumerate(bf16)],
+        "mega_moe": [v + (0.04 if i == 14 else -0.02) for i, v in enumerate(bf16)],
+    }
+    timing = {"stock_bf16": (1.25, 5000.0, 30.0), "stock": (1.5, 4000.0, 28.0), "mega_moe": (0.75, 8000.0, 25.0)}
+    return {
+        name: synthetic_log(monkeypatch, step_time, losses[name], [memory] * n, [tps] * n)
+        for name, (step_time, tps, memory) in timing.items()
+    }
+
+
+def _write_logs(logs: dict[str, str], folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {name: folder / f"{name}.log" for name in logs}
+    for name, path in paths.items():
+        path.write_text(logs[name])
+    return paths
+
+
+def _converters(path: Path) -> list[str]:
+    return ab_stock_toml.tomllib.loads(path.read_text())["model"]["converters"]
+
+
+@pytest.mark.parametrize("drop_quantize", [False, True])
+def test_ab_stock_toml_drop_quantize(drop_quantize, tmp_path):
+    source = REPO / "train_configs" / "qwen3_30b_a3b_12l_fp8.toml"
+    out = tmp_path / "twin.toml"
+    flag = ["--drop-quantize"] if drop_quantize else []
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "ab_stock_toml.py"), *flag, str(source), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert _converters(out) == ([] if drop_quantize else ["quantize.grouped_mm.float8"])
+    line = done.stdout.strip()
+    assert line.startswith(f"ab_stock_toml: wrote {out}: removed ") and "mega_moe" in line, line
+    assert ("quantize.grouped_mm.float8" in line) is drop_quantize, line
+    # Every other line is the source's, its [quantize...] table included.
+    differing = [(a, b) for a, b in zip(source.read_text().splitlines(), out.read_text().splitlines()) if a != b]
+    assert len(source.read_text().splitlines()) == len(out.read_text().splitlines())
+    assert [a for a, _ in differing] == ['converters = ["quantize.grouped_mm.float8", "mega_moe"]']
+
+
+def test_ab_stock_toml_drops_every_quantize_converter_and_says_when_there_is_none(tmp_path):
+    text = '[model]\nconverters = ["quantize.linear.float8", "mega_moe", "quantize.grouped_mm.mx", "quantized"]\n'
+    assert ab_stock_toml.stock_toml(text) == text.replace('"mega_moe", ', "")
+    assert ab_stock_toml.stock_toml(text, drop_quantize=True) == '[model]\nconverters = ["quantized"]\n'
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "ab_stock_toml.py"), "--drop-quantize",
+         str(REPO / "train_configs" / "debug_moe_mega_moe.toml"), str(tmp_path / "twin.toml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert 'removed mega_moe from [model] converters (no "quantize.*" converter to remove)' in done.stdout
+    assert _converters(tmp_path / "twin.toml") == []
+
+
+@pytest.mark.parametrize("baseline", ["stock_bf16", "stock"])
+def test_ab_report_three_runs(baseline, monkeypatch, tmp_path):
+    logs = _fp8_ab_logs(monkeypatch)
+    runs = {name: ab_report.parse_log(text, name) for name, text in logs.items()}
+    result = ab_report.compare(runs["stock"], runs["mega_moe"], (6, 20), [runs["stock_bf16"]], baseline)
+    step_time = {"stock_bf16": 1.25, "stock": 1.5, "mega_moe": 0.75}
+    # (largest |loss - baseline loss|, its step) per run
+    loss_diff = {
+        "stock_bf16": {"stock": (0.07, 8), "mega_moe": (0.04, 15)},
+        "stock": {"stock_bf16": (0.07, 8), "mega_moe": (0.09, 8)},
+    }[baseline]
+    assert list(result["runs"]) == ["stock", "mega_moe", "stock_bf16"]
+    assert result["baseline"] == baseline and set(result["vs_baseline"]) == set(loss_diff)
+    for name, (diff, step) in loss_diff.items():
+        vs = result["vs_baseline"][name]
+        assert vs["speedup"] == pytest.approx(step_time[baseline] / step_time[name]), name
+        assert vs["max_abs_loss_diff"] == pytest.approx(diff, abs=1e-4), name
+        assert vs["max_abs_loss_diff_step"] == step, name
+    # mega_moe against stock, whatever the baseline.
+    assert result["speedup"] == pytest.approx(2.0)
+    assert (result["max_abs_loss_diff"], result["max_abs_loss_diff_step"]) == (pytest.approx(0.09, abs=1e-4), 8)
+
+    paths = _write_logs(logs, tmp_path / "logs")
+    argv = [sys.executable, str(REPO / "scripts" / "ab_report.py"), "--stock", str(paths["stock"]),
+            "--mega-moe", str(paths["mega_moe"]), "--also", f"stock_bf16={paths['stock_bf16']}",
+            "--out", str(tmp_path / "report")]
+    if baseline != "stock":
+        argv += ["--baseline", baseline]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    header, rows = table_cells(done.stdout)
+    assert header[-2:] == [f"speedup vs {baseline}", f"max abs loss diff vs {baseline} (step)"]
+    cells = {row[0]: row for row in rows}
+    assert list(cells) == ["stock", "mega_moe", "stock_bf16"]
+    assert cells[baseline][-2:] == ["baseline", "baseline"]
+    for name, (diff, step) in loss_diff.items():
+        assert cells[name][1] == f"{1000 * step_time[name]:.1f}"
+        assert cells[name][-2:] == [f"{step_time[baseline] / step_time[name]:.3f}x", f"{diff:.4g} (step {step})"]
+    assert "Speedup (stock step time / mega_moe step time): **2.000x**" in done.stdout
+    assert done.stdout.startswith((tmp_path / "report" / "ab.md").read_text())
+    written = json.loads((tmp_path / "report" / "ab.json").read_text())
+    assert set(written["runs"]) == set(written["loss"]) == {"stock", "mega_moe", "stock_bf16"}
+    assert written["vs_baseline"] == json.loads(json.dumps(result["vs_baseline"]))
+    assert (tmp_path / "report" / "loss.png").exists() or "loss.png skipped" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "also, named",
+    [
+        (["stock_bf16"], "'stock_bf16': expected NAME=LOG"),
+        (["={log}"], "'={log}': the run name before '=' must be"),
+        (["a b={log}"], "'a b={log}': the run name before '=' must be"),
+        (["stock={log}"], "'stock={log}': the run name 'stock' is given twice"),
+        (["x={log}", "x={log}"], "'x={log}': the run name 'x' is given twice"),
+        (["x={missing}"], "'x={missing}': no such log file '{missing}'"),
+    ],
+)
+def test_ab_report_bad_also_names_the_value(also, named, monkeypatch, tmp_path, capsys):
+    logs = _write_logs({"stock": "", "mega_moe": "", "x": ""}, tmp_path)
+    where = {"log": logs["x"], "missing": tmp_path / "missing.log"}
+    argv = ["ab_report.py", "--stock", str(logs["stock"]), "--mega-moe", str(logs["mega_moe"])]
+    for value in also:
+        argv += ["--also", value.format(**where)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        ab_report.main()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"argument --also: {named.format(**where)}" in error, error
+
+
+def test_ab_report_bad_baseline_names_the_runs(monkeypatch, tmp_path, capsys):
+    logs = _write_logs({"stock": "", "mega_moe": "", "x": ""}, tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ab_report.py", "--stock", str(logs["stock"]), "--mega-moe",
+                                      str(logs["mega_moe"]), "--also", f"x={logs['x']}", "--baseline", "bf16"])
+    with pytest.raises(SystemExit) as exit_info:
+        ab_report.main()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "argument --baseline: 'bf16' is not a run (choose from stock, mega_moe, x)" in error, error
+
+
+def _fake_repo(tmp_path: Path, logs: dict[str, str]) -> Path:
+    """A copy of the A/B scripts whose run_train.sh passes the GPU check and, for a run,
+    records the run's TOML and arguments and prints that run's synthetic log."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("ab_train.sh", "ab_stock_toml.py", "ab_report.py"):
+        shutil.copy2(REPO / "scripts" / name, repo / "scripts" / name)
+    _write_logs(logs, tmp_path / "logs")
+    fake = repo / "scripts" / "run_train.sh"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        "[[ ${1:-} == --check-gpus ]] && exit 0\n"
+        'name=$(basename "$CONFIG_FILE" .toml)\n'
+        f'echo "$name $*" >> {tmp_path / "calls"}\n'
+        f'cat {tmp_path / "logs"}/"$name".log\n'
+    )
+    fake.chmod(0o755)
+    return repo
+
+
+@pytest.mark.parametrize("stock_bf16", [None, "0", "1"])
+def test_ab_train_adds_the_stock_bf16_run(stock_bf16, monkeypatch, tmp_path):
+    repo = _fake_repo(tmp_path, _fp8_ab_logs(monkeypatch))
+    out = tmp_path / "ab"
+    env = {**NO_GPU_ENV, "CONFIG_FILE": str(REPO / "train_configs" / "qwen3_30b_a3b_12l_fp8.toml"),
+           "AB_OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    if stock_bf16 is not None:
+        env["AB_STOCK_BF16"] = stock_bf16
+    done = subprocess.run([str(repo / "scripts" / "ab_train.sh"), "--training.steps", "20"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    names = ["mega_moe", "stock", "stock_bf16"] if stock_bf16 == "1" else ["mega_moe", "stock"]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == [f"{name} --job.dump_folder {out / name} --training.steps 20" for name in names]
+    assert {p.name for p in out.glob("*.toml")} == {f"{name}.toml" for name in names}
+    assert _converters(out / "stock.toml") == ["quantize.grouped_mm.float8"]
+    header, rows = table_cells((out / "ab.md").read_text())
+    assert [row[0] for row in rows] == ["stock", "mega_moe", *names[2:]]
+    if stock_bf16 == "1":
+        assert _converters(out / "stock_bf16.toml") == []
+        assert header[-2] == "speedup vs stock_bf16"
+        assert rows[1][-2] == "1.667x"  # mega_moe: 1.25 s / 0.75 s
+    else:
+        assert header[-2] == "speedup vs stock" and rows[1][-2] == "2.000x"
+
+
+def test_ab_train_rejects_a_bad_ab_stock_bf16(tmp_path):
+    env = {**NO_GPU_ENV, "CONFIG_FILE": "train_configs/qwen3_30b_a3b_12l_fp8.toml", "AB_STOCK_BF16": "yes",
+           "AB_OUT": str(tmp_path / "ab")}
+    done = subprocess.run([str(REPO / "scripts" / "ab_train.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "AB_STOCK_BF16=yes is not valid" in done.stderr, done.stderr
+    assert not (tmp_path / "ab").exists()
+
+
 # ---------------------------------------------------------------- kernel resources
 
 
@@ -323,8 +531,6 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    import json
-
     report = json.loads((tmp_path / "kernel_resources.json").read_text())
     for name in ("bf16", "fp8", "fp8_bwd"):
         kernels = {r["kernel"] for r in report["precisions"][name]}
