@@ -61,8 +61,11 @@ class TileConfig:
     wgrad_warps: int = 8
     wgrad_stages: int = 3
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
+    token_major_cols: int = 128
+    """Columns of a token-major copy program (one token block by this many columns); must
+    divide the row scale block of an operand that arrives quantized."""
     token_major_warps: int = 4
-    """Warps of a token-major copy program (one token block by one column block)."""
+    """Warps of a token-major copy program."""
     gemm2_overlap: int = 1
     """1: GEMM2's tile loop is flattened into its K loop, so the next tile's loads overlap
     this tile's epilogue (more registers); 0: tiles one after another."""
@@ -125,7 +128,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
+        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
     ),
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
@@ -134,7 +137,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
+        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=32,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
