@@ -259,6 +259,9 @@ def main() -> None:
                         help="run the table's speedups and loss differences are taken against (default stock)")
     args = parser.parse_args()
     out = args.out or args.mega_moe.parent
+    for option, log in (("--stock", args.stock), ("--mega-moe", args.mega_moe)):
+        if not log.is_file():
+            parser.error(f"argument {option}: no such log file {str(log)!r}")
     try:
         also = parse_also(args.also)
     except ValueError as error:

@@ -463,6 +463,19 @@ def test_ab_report_bad_baseline_names_the_runs(monkeypatch, tmp_path, capsys):
     assert "argument --baseline: 'bf16' is not a run (choose from stock, mega_moe, x)" in error, error
 
 
+@pytest.mark.parametrize("option", ["--stock", "--mega-moe"])
+def test_ab_report_missing_log_names_the_file(option, monkeypatch, tmp_path, capsys):
+    logs = _write_logs({"stock": "", "mega_moe": ""}, tmp_path)
+    paths = {"--stock": str(logs["stock"]), "--mega-moe": str(logs["mega_moe"])}
+    paths[option] = str(tmp_path / "missing.log")
+    monkeypatch.setattr(sys, "argv", ["ab_report.py", *(x for pair in paths.items() for x in pair)])
+    with pytest.raises(SystemExit) as exit_info:
+        ab_report.main()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"argument {option}: no such log file {paths[option]!r}" in error, error
+
+
 def _fake_repo(tmp_path: Path, logs: dict[str, str]) -> Path:
     """A copy of the A/B scripts whose run_train.sh passes the GPU check and, for a run,
     records the run's TOML and arguments and prints that run's synthetic log."""
