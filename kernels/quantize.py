@@ -68,8 +68,8 @@ def e4m3_scale(amax, POWER_OF_TWO: tl.constexpr):
 def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
     """``values [BLOCK_ROWS, BLOCK_COLS]`` (fp32) -> ``(q, scales)``: ``q`` the e4m3 tile,
     ``scales [BLOCK_ROWS, BLOCK_COLS // SCALE_K]`` fp32, ``values ~= q * scale`` per row per
-    SCALE_K columns (``e4m3_scale``). Columns past the end of
-    the rows must hold 0 (a partial last block then quantizes as the reference's padded one)."""
+    SCALE_K columns (``e4m3_scale``). Columns past the end of the rows must hold 0 (a
+    partial last block then quantizes as the reference's padded one)."""
     BLOCK_ROWS: tl.constexpr = values.shape[0]
     BLOCK_COLS: tl.constexpr = values.shape[1]
     tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
