@@ -49,7 +49,7 @@ from titan_megamoe.kernels.forward import (
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
-from titan_megamoe.kernels.transpose import transpose_into
+from titan_megamoe.kernels.transpose import transposed_side_by_side
 from titan_megamoe.kernels.wgrad import token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format
 
@@ -218,12 +218,8 @@ def fused_backward(
         dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
         w2t_scales = w13t_scales = None
-        experts = shape.local_experts
-        w2t = torch.empty(experts, shape.inter, shape.hidden, dtype=w2.dtype, device=w2.device)
-        w13t = torch.empty(experts, shape.hidden, 2 * shape.inter, dtype=w1.dtype, device=w1.device)
-        transpose_into(w2, w2t, 0, tiles.transpose_block)
-        transpose_into(w1, w13t, 0, tiles.transpose_block)
-        transpose_into(w3, w13t, shape.inter, tiles.transpose_block)
+        w2t = transposed_side_by_side([w2], tiles.transpose_block)
+        w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
     if x_scale_k and preact is None:
         (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.transpose import transpose_into
+from titan_megamoe.kernels.transpose import transposed_side_by_side
 from titan_megamoe.precision import E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -190,12 +190,7 @@ def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_bloc
     experts, _, k = weights[0].shape
     cols = sum(w.shape[1] for w in weights)
     if bn == 1:
-        t = torch.empty(experts, k, cols, dtype=weights[0].dtype, device=weights[0].device)
-        col0 = 0
-        for w in weights:
-            transpose_into(w, t, col0, transpose_block)
-            col0 += w.shape[1]
-        ((q, scales),) = quantize_weights([t], fmt)
+        ((q, scales),) = quantize_weights([transposed_side_by_side(weights, transpose_block)], fmt)
         return q, scales
     q = torch.empty(experts, k, cols, dtype=torch.float8_e4m3fn, device=weights[0].device)
     scales = torch.empty(experts, triton.cdiv(k, bn), triton.cdiv(cols, bk), dtype=torch.float32,
