@@ -194,7 +194,8 @@ def fused_backward(
     order, send_start, _ = route(topk_idx, buffers, timeout_s, needs_input=not resident)
 
     rows = buffers.recv.shape[0]
-    block_n = tiles.grad1_n if preact is None else tiles.grad1_saved_n
+    block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if preact is None
+                       else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
     parts = triton.cdiv(shape.inter, block_n)
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
     # The expert inputs cross (and GEMM1 is recomputed) in the forward's format; dy, the
@@ -243,7 +244,7 @@ def fused_backward(
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
         W_SCALE_N=w_fmt.weight_block[0], POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not scale_k,
-        num_warps=tiles.grad1_warps, num_stages=tiles.grad1_stages,
+        num_warps=tiles.grad1_warps, num_stages=stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
         dab_q if scale_k else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,

@@ -37,6 +37,8 @@ class TileConfig:
     grad1_k: int
     grad1_warps: int
     grad1_stages: int
+    grad1_saved_stages: int
+    """The same when GEMM1 was saved: without GEMM1's operands a pipeline stage is smaller."""
     dgrad_n: int
     """Backward, second kernel: hidden columns per ``[da | db] [W1 | W3]`` tile."""
     dgrad_k: int
@@ -91,6 +93,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
@@ -100,16 +103,20 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # are 128 columns wide and 64 rows tall (four 64x128 fp32 tiles in 256 threads: 128
     # registers). GEMM2 and dgrad 128x128 as in the plain blockwise-fp8 grouped GEMM
     # measured at 613-835 TFLOP/s (docs/perf.md, v9), without the flattened tile loop
-    # (with it, the second accumulator spills), and the backward's first kernel in 2
-    # stages (3 take 240 KB of shared memory when fp8_bwd recomputes GEMM1 in bf16).
+    # (with it, the second accumulator spills). The backward's first kernel runs 2 stages
+    # where it recomputes GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it
+    # in bf16) and 3 where GEMM1 was saved (19-28% faster than 2, docs/perf.md v13).
+    # Token-major copies 64 columns wide: a 128x64 fp32 tile in 128 threads keeps more
+    # programs per SM than 128x128 (34% faster); weight gradients in 4 stages.
     ("sm90", "fp8_block"): TileConfig(
         block_m=128,
         gemm1_m=64, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4, gemm2_overlap=0,
         grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
+        grad1_saved_stages=3,
         dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4, dgrad_overlap=0,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3,
+        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
     # half a block tall, as on the GPU.
@@ -118,6 +125,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
+        grad1_saved_stages=1,
         dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
     ),
@@ -126,6 +134,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm1_m=8, gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        grad1_saved_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
@@ -135,6 +144,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         gemm1_m=16, gemm1_n=32, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        grad1_saved_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=32,

@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
     p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per rank")
-    p.add_argument("--comm-sms", type=comm_sms_list, default=[16], help="comma-separated values to compare")
+    p.add_argument("--comm-sms", type=comm_sms_list, default=[0],
+                   help="comma-separated values to compare (0: the operator's default, as the bench runs it)")
     p.add_argument("--tiles", type=tile_changes, nargs="*", default=[{}],
                    help='tile-table variants: field=value,... ("" for the table as is)')
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],

@@ -102,7 +102,8 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
     tiles = _tiles(device, settings.precision.forward)
     sized_by_call = not settings.capacity_tokens_per_rank
     key_shape = dataclasses.replace(shape, capacity_tokens_per_rank=0) if sized_by_call else shape
-    key = ("" if group is None else group.group_name, str(device), key_shape, settings.precision.name, tiles)
+    grad_tiles = _tiles(device, settings.precision.dgrad)
+    key = ("" if group is None else group.group_name, str(device), key_shape, settings.precision.name, tiles, grad_tiles)
     held = _BUFFERS.get(key)
     if held is not None and held.shape == shape:
         return held
@@ -220,9 +221,13 @@ def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) 
 def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
     """The plan of a call: checked, allocated and sized at the first call of its kind, then
     looked up. Its kind is all the plan depends on; with a capacity the token count is not
-    part of it (the kernels' ``check_call`` compares each call's count with the capacity)."""
+    part of it (the kernels' ``check_call`` compares each call's count with the capacity).
+    The tile rows are part of it: a row changed at run time (``profile_layer --tiles``)
+    gets buffers and kernels of its own."""
     key = (
         settings.encode(),  # what the ops carry; a string hashes once, a dataclass at every lookup
+        _tiles(x.device, settings.precision.forward),
+        _tiles(x.device, settings.precision.dgrad),
         None if group is None else (group.group_name, group.rank()),
         x.device,
         x.dtype,

@@ -2,6 +2,8 @@
 settings' encoding and decoding, the GPU's architecture, and the fused backend's plan of
 a kind of call (buffers, saved shape, program counts)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,6 +65,17 @@ def _one_plan_per_kind(rank, world):
     held = [id(b) for b in fused._BUFFERS.values()]
     assert sorted(held) == sorted([id(plan.buffers), id(again.buffers)])
     assert all(id(p.buffers) in held for p in fused._PLANS.values())
+
+    # A tile row changed at run time (what profile_layer --tiles does) plans anew, with
+    # buffers sized and kernels launched by the new row, forward and backward.
+    from titan_megamoe.kernels import configs
+
+    row = ("interpret", sized.precision.forward.name)
+    changed = dataclasses.replace(configs.TILE_CONFIGS[row], copy_rows=2, gemm1_n=32)
+    configs.TILE_CONFIGS[row] = changed
+    replanned = fused._plan(x, idx, w1, None, sized)
+    assert replanned is not plan and replanned.buffers.tiles == changed
+    assert fused._grad_buffers(None, replanned.buffers, sized).tiles == changed
 
 
 def test_fused_backend_plans_each_kind_of_call_once(monkeypatch):
