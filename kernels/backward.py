@@ -155,7 +155,9 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     kt = _token_major_length(shape, fmt)
     at, at_scales = _token_major(buffers, tiles, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
     bt, bt_scales = _token_major(buffers, tiles, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
-    grid = (shape.local_experts, triton.cdiv(a_cols, tiles.wgrad_m), triton.cdiv(b_cols, tiles.wgrad_n))
+    # One expert's tiles after another (the grid's first axis varies fastest): the tiles
+    # running together then share their expert's operands in L2.
+    grid = (triton.cdiv(b_cols, tiles.wgrad_n), triton.cdiv(a_cols, tiles.wgrad_m), shape.local_experts)
     wgrad_kernel[grid](
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
         M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,

@@ -75,10 +75,11 @@ def wgrad_kernel(
     """``[experts, M, N]`` (the outputs' dtype) ``= A_e^T B_e`` from the token-major copies
     ``a [M, KT]``, ``b [N, KT]`` and their scales. ``SPLIT_M`` 0: all into ``out``;
     otherwise rows below ``SPLIT_M`` into ``out [experts, SPLIT_M, N]`` and the rest into
-    ``out2 [experts, M - SPLIT_M, N]`` (``BLOCK_M`` must divide ``SPLIT_M``)."""
-    expert = tl.program_id(0)
+    ``out2 [experts, M - SPLIT_M, N]`` (``BLOCK_M`` must divide ``SPLIT_M``). Program
+    ``(n, m, e)``: the ``BLOCK_M x BLOCK_N`` tile ``(m, n)`` of expert ``e``."""
+    n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
-    n0 = tl.program_id(2) * BLOCK_N
+    expert = tl.program_id(2)
     k_start = tl.load(block_start + expert) * TOKEN_BLOCK
     k_end = tl.load(block_start + expert + 1) * TOKEN_BLOCK
     m_rows = m0 + tl.arange(0, BLOCK_M)
