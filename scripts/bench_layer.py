@@ -400,18 +400,28 @@ def run_variant(layer, x, dy, timer, warmup, iters, forward_only):
     return times, y.detach().cpu(), grads
 
 
-def matmul_peak_tflops(device) -> float | None:
-    """bf16 matmul rate measured here, the ceiling the layer's TFLOP/s is set against."""
+def matmul_peak_tflops(device, fp8: bool = False) -> float | None:
+    """bf16 (or, ``fp8``, e4m3 through ``torch._scaled_mm``) matmul rate measured here, the
+    ceiling the layer's TFLOP/s is set against."""
     if device.type != "cuda":
         return None
     n = 8192
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    if fp8:
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as _scaled_mm takes it
+        one = torch.ones((), device=device)
+
+        def matmul():
+            return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    else:
+        def matmul():
+            return a @ b
     for _ in range(3):
-        a @ b
+        matmul()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(10):
-        a @ b
+        matmul()
     end.record()
     end.synchronize()
     return 2 * n**3 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12

@@ -10,7 +10,10 @@ value and every ``--tiles`` variant of the SM90 tile table (e.g.
 ``--tiles "" "gemm2_n=128,gemm2_stages=4"``: the table as is, then with those fields
 changed). ``--backward`` times forward + backward (the kernels of both passes; the
 backward's own are ``dispatch_grad_gemm1``, the second ``rows_gemm_combine`` and the
-grouped weight-gradient GEMMs). Writes ``profile_layer.json``.
+grouped weight-gradient GEMMs). Next to each fused GEMM kernel it prints the rate of its
+expert-GEMM work and that rate's share of the matmul peak of the precision, measured in
+the same run; for the call, the expert-GEMM roofline (forward GEMMs, and twice as much
+again for the backward, at that peak) over the wall time. Writes ``profile_layer.json``.
 """
 
 import argparse
@@ -31,10 +34,44 @@ from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import get_precision
 from titan_megamoe.settings import OperatorSettings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_layer import matmul_peak_tflops  # noqa: E402  (the bench's peak, measured the same way)
+
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
 ARCH = "sm90"
 """The tile table's architecture profiled: H100/H200."""
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
+
+
+def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool) -> dict[str, int]:
+    """Expert-GEMM FLOPs per call of each fused GEMM kernel for ``rows`` received rows
+    (what its mainloops compute; a recomputed GEMM1 counts); bf16's weight gradients run
+    in torch's grouped GEMMs, which the table does not name."""
+    unit = 2 * rows * hidden * inter  # one [rows, H] x [H, I] product
+    flops = {"dispatch_gemm1_kernel": 2 * unit, "rows_gemm_combine_kernel": unit}
+    if backward:
+        flops["rows_gemm_combine_kernel"] += 2 * unit  # dgrad: [da | db] [W1 | W3]^T
+        flops["dispatch_grad_gemm1_kernel"] = unit + (0 if save_gemm1 else 2 * unit)
+        flops["wgrad_kernel"] = 3 * unit
+    return flops
+
+
+def roofline_ms(rows: int, hidden: int, inter: int, backward: bool, peak_tflops: float) -> float:
+    """The call's expert GEMMs at the peak: the forward's, and twice as much for the backward."""
+    forward = 3 * 2 * rows * hidden * inter
+    return (3 if backward else 1) * forward / (peak_tflops * 1e9)
+
+
+def kernel_lines(kernels_ms: dict[str, float], flops: dict[str, int], peak_tflops: float | None) -> list[str]:
+    """One line per kernel, slowest first; a GEMM kernel's with its rate and share of the peak."""
+    lines = []
+    for name, ms in sorted(kernels_ms.items(), key=lambda kv: -kv[1]):
+        line = f"    {ms:8.3f} ms  {name}"
+        if name in flops and ms > 0:
+            rate = flops[name] / (ms * 1e9)
+            line += f"  ({rate:.0f} TFLOP/s" + (f", {100 * rate / peak_tflops:.0f}% of peak)" if peak_tflops else ")")
+        lines.append(line)
+    return lines
 
 
 def inputs(shape: str, tokens: int, rank: int, world: int):
@@ -106,6 +143,13 @@ def main():
     x = x.requires_grad_(args.backward)
     dy = torch.randn_like(x)
     results = {}
+    quantized = args.precision != "bf16"
+    try:
+        peak = matmul_peak_tflops(torch.device("cuda"), fp8=quantized)
+    except RuntimeError as error:  # the table then goes without shares, and says why
+        peak = None
+        print(f"profile_layer: the {args.precision} matmul peak could not be measured: {error}", file=sys.stderr)
+    rows = 0
     row = (ARCH, get_precision(args.precision).forward.name)
     table = configs.TILE_CONFIGS[row]
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
@@ -118,11 +162,14 @@ def main():
                                     comm_sms=comm_sms, save_gemm1=args.save_gemm1)
 
         def call():
-            y, _ = mega_moe(x, *rest, group, score_before_experts=False, settings=settings)
+            y, received = mega_moe(x, *rest, group, score_before_experts=False, settings=settings)
             if args.backward:
                 y.backward(dy)
+            return received
 
-        for _ in range(3):
+        rows = int(call().sum())  # this rank's received rows (same inputs every variant)
+
+        for _ in range(2):
             call()
         torch.cuda.synchronize()
         dist.barrier()
@@ -142,15 +189,22 @@ def main():
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
                           "kernels_ms": dict(kernels)}
     if rank == 0:
+        hidden, inter, _, _ = SHAPES[args.shape]
+        flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
+        roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
+        print(f"{rows} rows received on rank 0; {args.precision} matmul peak "
+              + (f"{peak:.0f} TFLOP/s, expert-GEMM roofline {roofline:.3f} ms per call" if peak else "not measured"))
         for label, r in results.items():
             what = "forward + backward" if args.backward else "forward"
-            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {args.precision} {what} {label}: {r['wall_ms']:.3f} ms per call, "
-                  f"{sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
-            for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
-                print(f"    {ms:8.3f} ms  {name}")
+            share = f" ({100 * roofline / r['wall_ms']:.0f}% of the roofline)" if roofline else ""
+            print(f"{args.shape} {args.tokens} tokens/rank EP={world} {args.precision} {what} {label}: {r['wall_ms']:.3f} ms per call"
+                  f"{share}, {sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
+            print("\n".join(kernel_lines(r["kernels_ms"], flops, peak)))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "profile_layer.json").write_text(json.dumps({"args": vars(args), "ep": world, "results": results}, indent=2))
+        summary = {"args": vars(args), "ep": world, "rows_rank0": rows, "peak_tflops": peak,
+                   "roofline_ms": roofline, "stage_flops": flops, "results": results}
+        (out / "profile_layer.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()
 
 

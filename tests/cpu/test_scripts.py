@@ -137,6 +137,27 @@ def test_profile_layer_says_it_needs_gpus(monkeypatch):
     assert "need NVIDIA GPUs" in str(exit_info.value.code)
 
 
+def test_profile_layer_counts_each_stage_against_the_peak():
+    """30B-A3B at 16,384 tokens x top-8: 9.44 MFLOP per routed row forward (DESIGN), each
+    fused kernel's share as its mainloops compute it, and rates against the peak."""
+    rows, hidden, inter = 131072, 2048, 768
+    unit = 2 * rows * hidden * inter
+    forward = profile_layer.stage_flops(rows, hidden, inter, backward=False, save_gemm1=True)
+    assert forward == {"dispatch_gemm1_kernel": 2 * unit, "rows_gemm_combine_kernel": unit}
+    assert sum(forward.values()) / rows == pytest.approx(9.437e6, rel=1e-3)
+    saved = profile_layer.stage_flops(rows, hidden, inter, backward=True, save_gemm1=True)
+    recomputed = profile_layer.stage_flops(rows, hidden, inter, backward=True, save_gemm1=False)
+    assert saved["rows_gemm_combine_kernel"] == 3 * unit and saved["wgrad_kernel"] == 3 * unit
+    assert (saved["dispatch_grad_gemm1_kernel"], recomputed["dispatch_grad_gemm1_kernel"]) == (unit, 3 * unit)
+    # 1.24 TFLOP forward at 792 TFLOP/s: 1.56 ms; fwd+bwd three times that.
+    assert profile_layer.roofline_ms(rows, hidden, inter, False, 792.0) == pytest.approx(1.563, rel=1e-3)
+    assert profile_layer.roofline_ms(rows, hidden, inter, True, 792.0) == pytest.approx(3 * 1.563, rel=1e-3)
+    lines = profile_layer.kernel_lines({"dispatch_gemm1_kernel": 2.0, "combine_reduce_kernel": 0.5}, forward, 1000.0)
+    assert lines[0].split() == ["2.000", "ms", "dispatch_gemm1_kernel", "(412", "TFLOP/s,", "41%", "of", "peak)"]
+    assert lines[1].split() == ["0.500", "ms", "combine_reduce_kernel"]
+    assert "% of peak" not in profile_layer.kernel_lines({"dispatch_gemm1_kernel": 2.0}, forward, None)[0]
+
+
 # ---------------------------------------------------------------- table and plot
 
 
