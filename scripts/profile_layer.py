@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=N scripts/profile_layer.py --shape 30B-A3B --tokens 16384 [--backward]
 
-Random routing (softmax of random logits, top-k), EP = every rank, bf16. Prints, on rank
+Random routing (softmax of random logits, top-k), EP = every rank, `--precision`. Prints, on rank
 0, each kernel's mean time per call, the wall time per call, and how long the host took
 to issue a call (calls are issued back to back: a host time near the wall time means the
 GPU waits for the host), for every ``--comm-sms``
