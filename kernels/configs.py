@@ -101,9 +101,10 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # accumulator has a partial product beside it (promoted once per block). GEMM1 and
     # the backward's first kernel store h and [da | db] in 1x128 blocks, so their tiles
     # are 128 columns wide and 64 rows tall (128 rows compile for GEMM1 at 255 registers
-    # with small spills, unmeasured: docs/perf.md v13). GEMM2 and dgrad 128x128 as in the plain blockwise-fp8 grouped GEMM
-    # measured at 613-835 TFLOP/s (docs/perf.md, v9), without the flattened tile loop
-    # (with it, the second accumulator spills). The backward's first kernel runs 2 stages
+    # with small spills, unmeasured: docs/perf.md v13). GEMM2 and dgrad 128x128 as in the
+    # plain blockwise-fp8 grouped GEMM measured at 613-835 TFLOP/s (docs/perf.md, v9),
+    # without the flattened tile loop (with it, the second accumulator spills). The
+    # backward's first kernel runs 2 stages
     # where it recomputes GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it
     # in bf16) and 3 where GEMM1 was saved (19-28% faster than 2, docs/perf.md v13).
     # Token-major copies 64 columns wide: a 128x64 fp32 tile in 128 threads keeps more

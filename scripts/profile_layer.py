@@ -58,7 +58,7 @@ def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: 
 
 def roofline_ms(rows: int, hidden: int, inter: int, backward: bool, peak_tflops: float) -> float:
     """The call's expert GEMMs at the peak: the forward's, and twice as much for the backward."""
-    forward = 3 * 2 * rows * hidden * inter
+    forward = sum(stage_flops(rows, hidden, inter, backward=False, save_gemm1=True).values())
     return (3 if backward else 1) * forward / (peak_tflops * 1e9)
 
 
