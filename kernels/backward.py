@@ -101,17 +101,24 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     if not scale_k:
         return total + weights * shape.dtype.itemsize
     scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
-    kt = _token_major_length(shape, grad.grad_format)
+    kt = _token_major_length(shape, tiles, grad.grad_format)
     token_major = kt * max(hidden + inter, 2 * inter + hidden)
     through_dgrad = rows * 2 * inter + weights + shape.capacity_tokens_per_rank * hidden
     return total + int(max(through_dgrad, shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
 
 
-def _token_major_length(shape, fmt: Format) -> int:
+def _token_span(tiles: TileConfig, fmt: Format) -> int:
+    """Tokens each local expert's rows are padded to a multiple of in the token-major
+    layout: whole token blocks, and whole K steps of the weight-gradient GEMM (a scaled
+    MMA's step spans several blocks; both are powers of two)."""
+    return max(fmt.activation_block[1], tiles.wgrad_k)
+
+
+def _token_major_length(shape, tiles: TileConfig, fmt: Format) -> int:
     """Tokens along a token-major copy: every row any routing can bring, each local
-    expert's padded to whole token blocks."""
-    token_block = fmt.activation_block[1]
-    return token_block * (triton.cdiv(shape.ep * shape.rows_per_rank, token_block) + shape.local_experts)
+    expert's padded to whole spans (``_token_span``)."""
+    span = _token_span(tiles, fmt)
+    return span * (triton.cdiv(shape.ep * shape.rows_per_rank, span) + shape.local_experts)
 
 
 def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, kt: int,
@@ -133,11 +140,12 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
     return out, scales
 
 
-def _token_block_starts(buffers: ForwardBuffers, fmt: Format) -> torch.Tensor:
+def _token_block_starts(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format) -> torch.Tensor:
     """``[local experts + 1]``: each expert's first token block in the token-major layout,
-    its rows zero-padded to whole blocks, one expert after another (read on the device)."""
-    token_block = fmt.activation_block[1]
-    blocks = (buffers.local_rows + token_block - 1) // token_block
+    its rows zero-padded to whole spans (``_token_span``), one expert after another (read
+    on the device)."""
+    token_block, span = fmt.activation_block[1], _token_span(tiles, fmt)
+    blocks = (buffers.local_rows + span - 1) // span * (span // token_block)
     block_start = torch.zeros(buffers.shape.local_experts + 1, dtype=torch.int32, device=blocks.device)
     torch.cumsum(blocks, 0, out=block_start[1:])
     return block_start
@@ -152,7 +160,7 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     ``fmt``'s row blocks. ``block_start``: ``_token_block_starts``."""
     shape = buffers.shape
     token_block = fmt.activation_block[1]
-    kt = _token_major_length(shape, fmt)
+    kt = _token_major_length(shape, tiles, fmt)
     at, at_scales = _token_major(buffers, tiles, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
     bt, bt_scales = _token_major(buffers, tiles, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
     # One expert's tiles after another (the grid's first axis varies fastest): the tiles
@@ -161,7 +169,8 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     wgrad_kernel[grid](
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
         M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,
-        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, UPCAST_DOT=INTERPRET,
+        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, SCALED_MMA=fmt.scaled_mma,
+        UPCAST_DOT=INTERPRET,
         num_warps=tiles.wgrad_warps, num_stages=tiles.wgrad_stages,
     )
 
@@ -244,7 +253,8 @@ def fused_backward(
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
-        W_SCALE_N=w_fmt.weight_block[0], POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        W_SCALE_N=w_fmt.weight_block[0], SCALED_MMA=w_fmt.scaled_mma, POWER_OF_TWO=w_fmt.power_of_two,
+        ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not scale_k,
         num_warps=tiles.grad1_warps, num_stages=stages,
     )
@@ -256,7 +266,7 @@ def fused_backward(
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0],
+        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma,
         OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
@@ -268,7 +278,7 @@ def fused_backward(
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
         # One after the other, so that the first pair of token-major copies (and the
         # quantized forward's h copy) is freed before the second is made.
-        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt, _token_block_starts(buffers, fmt))
+        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt, _token_block_starts(buffers, tiles, fmt))
         wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
         del h_wgrad
         wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, (dw1, dw3))

@@ -59,7 +59,8 @@ class TileConfig:
     wgrad_m: int = 128
     wgrad_n: int = 128
     wgrad_k: int = 128
-    """Tokens per K step; divides the format's token block."""
+    """Tokens per K step; divides the format's token block (promoted scales) or is a
+    multiple of it (a scaled MMA)."""
     wgrad_warps: int = 8
     wgrad_stages: int = 3
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
@@ -119,6 +120,33 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
+    # MXFP8 on H100/H200: Hopper has no MX MMA, so Triton multiplies each e4m3 tile by its
+    # power-of-two scales into bf16 and runs a bf16 MMA: no partial products, tiles as
+    # the bf16 row's with K steps of two scale blocks (64). Compiled, not yet measured
+    # (docs/perf.md v14).
+    ("sm90", "mxfp8"): TileConfig(
+        block_m=128,
+        gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
+        gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
+        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        grad1_saved_stages=4,
+        dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
+        copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=64, wgrad_warps=8, wgrad_stages=4, token_major_cols=32,
+    ),
+    # MXFP8 on B200 (SM100): native MX MMA (block-scaled tcgen05) with the accumulators in
+    # tensor memory; K steps of 128 (four scale blocks). Compiled for sm_100a, never run:
+    # no Blackwell GPU was at hand (docs/perf.md v14).
+    ("sm100", "mxfp8"): TileConfig(
+        block_m=128,
+        gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,
+        gemm2_n=256, gemm2_k=128, gemm2_warps=8, gemm2_stages=3,
+        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=3,
+        grad1_saved_stages=3,
+        dgrad_n=256, dgrad_k=128, dgrad_warps=8, dgrad_stages=3,
+        copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3, token_major_cols=32,
+    ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
     # half a block tall, as on the GPU.
     ("interpret", "native"): TileConfig(
@@ -140,28 +168,31 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
     ),
+    # mxfp8's K steps span one or two scale blocks (the scaled MMA takes whole ones); the
+    # weight gradients' two, so each expert's tokens are padded to 64.
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
-        gemm1_m=16, gemm1_n=32, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
-        gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
-        grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=32, grad1_warps=4, grad1_stages=1,
+        gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
+        gemm2_n=32, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
+        grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=64, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=32,
+        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=32,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
 format names as ``titan_megamoe.precision`` does."""
 
-ARCH_BY_CAPABILITY = {(9, 0): "sm90"}
+ARCH_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
 """CUDA compute capability -> architecture of the table."""
 
 
 def arch_of(capability: tuple[int, int] | None) -> str | None:
     """The table's architecture for a GPU of compute ``capability`` (None: no GPU):
     ``"interpret"`` whenever kernels run under the Triton interpreter, else ``"sm90"`` for
-    Hopper (9, 0); None where the table has no architecture for it."""
+    Hopper (9, 0) and ``"sm100"`` for Blackwell B200 (10, 0); None where the table has no
+    architecture for it."""
     if INTERPRET:
         return "interpret"
     return ARCH_BY_CAPABILITY.get(capability)

@@ -306,7 +306,8 @@ def fused_forward(
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
-        W_SCALE_N=fmt.weight_block[0], POWER_OF_TWO=fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma, POWER_OF_TWO=fmt.power_of_two,
+        ACT_DTYPE=TRITON_DTYPES[x.dtype],
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
@@ -317,7 +318,8 @@ def fused_forward(
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], OVERLAP=bool(tiles.gemm2_overlap),
+        SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma,
+        OVERLAP=bool(tiles.gemm2_overlap),
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )
     y = torch.empty_like(x)

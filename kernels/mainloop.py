@@ -10,9 +10,15 @@ each A tile (GEMM1's W1 and W3).
 Quantized operands (e4m3) bring fp32 scales: A one per row per ``SCALE_K`` elements along
 K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
 (``[experts, cdiv(N, B_SCALE_N), cdiv(K, SCALE_K)]``): 1x128 and 128x128 for blockwise fp8,
-1x32 and 1x32 for mxfp8. Hopper's MMA has no block scaling, so each scale block's partial
-product is accumulated on its own and promoted once into the fp32 accumulator,
-``acc += dot(a, b) * sa[:, None] * sb[None, :]`` (DeepSeek-V3's promotion).
+1x32 and 1x32 for mxfp8. Two ways to apply them:
+
+- promotion (blockwise fp8): Hopper's MMA has no block scaling, so each scale block's
+  partial product is accumulated on its own and promoted once into the fp32
+  accumulator, ``acc += dot(a, b) * sa[:, None] * sb[None, :]`` (DeepSeek-V3's);
+- ``SCALED_MMA`` (mxfp8, power-of-two scales): the scales go into the MMA itself,
+  ``acc = dot_scaled(a, sa, b, sb, acc)`` with the scales as UE8M0 exponents. Native MX
+  MMA on Blackwell; on Hopper Triton multiplies the e4m3 tiles by their scales in bf16
+  (exact: a power of two times an e4m3 value is a bf16 value) and runs a bf16 MMA.
 """
 
 import triton
@@ -20,11 +26,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _ue8m0(scale):
+    """Power-of-two fp32 scales as UE8M0 exponents (their biased exponent bits: 2^-127,
+    stored as the subnormal 2^-127, gives 0), the form ``tl.dot_scaled`` takes."""
+    return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
 def tile_gemm(
     a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, k_start, k_end,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
     ``(A B^T, A B2^T)``.
@@ -34,12 +48,18 @@ def tile_gemm(
     ``k_start``, ``k_end``: multiples of the K step (``SCALE_K``, or ``BLOCK_K`` unscaled),
     ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
-    ``BLOCK_K`` must divide ``SCALE_K``. ``UPCAST_DOT``: operands go to the dot in fp32 (the
+    ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``SCALED_MMA``,
+    which takes ``B_SCALE_N`` 1). ``UPCAST_DOT``: operands go to the dot in fp32 (the
     Triton interpreter computes bf16 dots wrongly).
     """
-    tl.static_assert((SCALE_K == 0) | (SCALE_K % BLOCK_K == 0), "BLOCK_K must divide SCALE_K")
-    # One pass of the K loop covers a scale block (unscaled: one BLOCK_K step).
-    STEP: tl.constexpr = SCALE_K if SCALE_K > 0 else BLOCK_K
+    PROMOTE: tl.constexpr = (SCALE_K > 0) & (not SCALED_MMA)
+    if PROMOTE:
+        tl.static_assert(SCALE_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_K")
+    if SCALED_MMA:
+        tl.static_assert(SCALE_K > 0, "a scaled MMA needs scales")
+        tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N == 1), "a scaled MMA takes whole 1 x SCALE_K blocks")
+    # One pass of the K loop covers a scale block when promoting, else one BLOCK_K step.
+    STEP: tl.constexpr = SCALE_K if PROMOTE else BLOCK_K
     ks = tl.arange(0, BLOCK_K)
     col_ok = (cols < N) | (N % BLOCK_N == 0)
     # Pointers are built once, before the K loop, which only adds k: offsets recomputed
@@ -59,43 +79,66 @@ def tile_gemm(
         sb_ptrs = b_scale + sb_offsets
         if TWO_B:
             sb2_ptrs = b2_scale + sb_offsets
+        if SCALED_MMA:
+            # [rows, scale blocks of one K step] and [cols, scale blocks of one K step].
+            step_blocks = tl.arange(0, BLOCK_K // SCALE_K)
+            sa_ptrs = sa_ptrs[:, None] + step_blocks[None, :]
+            sb_ptrs = sb_ptrs[:, None] + step_blocks[None, :]
+            if TWO_B:
+                sb2_ptrs = sb2_ptrs[:, None] + step_blocks[None, :]
 
     for k0 in range(k_start, k_end, STEP):
-        # Scaled: this scale block's partial product, promoted below. Unscaled: the
-        # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.
-        if SCALE_K > 0:
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if TWO_B:
-                part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            part = acc
-            if TWO_B:
-                part2 = acc2
-        for dk in tl.static_range(0, STEP, BLOCK_K):
-            k = k0 + dk
-            k_ok = (k + ks < K) | (K % STEP == 0)
+        if SCALED_MMA:
+            k_ok = (k0 + ks < K) | (K % BLOCK_K == 0)
             b_mask = col_ok[None, :] & k_ok[:, None]
-            x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
-            y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
-            if TWO_B:
-                y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)
-            if UPCAST_DOT:
-                x, y = x.to(tl.float32), y.to(tl.float32)
-                if TWO_B:
-                    y2 = y2.to(tl.float32)
-            part = tl.dot(x, y, part)
-            if TWO_B:
-                part2 = tl.dot(x, y2, part2)
-        if SCALE_K > 0:
             kb = k0 // SCALE_K
-            sa = tl.load(sa_ptrs + kb)[:, None]
-            acc += part * sa * tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+            kb_ok = (kb + step_blocks < K_BLOCKS) | (K % BLOCK_K == 0)
+            sb_mask = col_ok[:, None] & kb_ok[None, :]
+            x = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+            sx = _ue8m0(tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0))
+            y = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
+            sy = _ue8m0(tl.load(sb_ptrs + kb, mask=sb_mask, other=1.0))
+            acc = tl.dot_scaled(x, sx, "e4m3", y, sy, "e4m3", acc=acc)
             if TWO_B:
-                acc2 += part2 * sa * tl.load(sb2_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+                y2 = tl.load(b2_ptrs + k0, mask=b_mask, other=0.0)
+                sy2 = _ue8m0(tl.load(sb2_ptrs + kb, mask=sb_mask, other=1.0))
+                acc2 = tl.dot_scaled(x, sx, "e4m3", y2, sy2, "e4m3", acc=acc2)
         else:
-            acc = part
-            if TWO_B:
-                acc2 = part2
+            # Promoted: this scale block's partial product, promoted below. Unscaled: the
+            # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.
+            if SCALE_K > 0:
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if TWO_B:
+                    part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                part = acc
+                if TWO_B:
+                    part2 = acc2
+            for dk in tl.static_range(0, STEP, BLOCK_K):
+                k = k0 + dk
+                k_ok = (k + ks < K) | (K % STEP == 0)
+                b_mask = col_ok[None, :] & k_ok[:, None]
+                x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
+                y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
+                if TWO_B:
+                    y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)
+                if UPCAST_DOT:
+                    x, y = x.to(tl.float32), y.to(tl.float32)
+                    if TWO_B:
+                        y2 = y2.to(tl.float32)
+                part = tl.dot(x, y, part)
+                if TWO_B:
+                    part2 = tl.dot(x, y2, part2)
+            if SCALE_K > 0:
+                kb = k0 // SCALE_K
+                sa = tl.load(sa_ptrs + kb)[:, None]
+                acc += part * sa * tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+                if TWO_B:
+                    acc2 += part2 * sa * tl.load(sb2_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+            else:
+                acc = part
+                if TWO_B:
+                    acc2 = part2
 
     if TWO_B:
         return acc, acc2

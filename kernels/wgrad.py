@@ -6,9 +6,10 @@ reference specifies them (``reference``, numerics): one scale per column per
 Hopper's fp8 MMA takes K-major operands only, and here K runs along the rows. So each
 operand is first copied token-major (``token_major_kernel``): ``[columns, KT]`` e4m3 plus
 ``[columns, KT / TOKEN_BLOCK]`` fp32 scales, where expert ``e``'s rows occupy the token
-blocks ``block_start[e] .. block_start[e + 1]`` (its rows, zero-padded to whole blocks).
-``wgrad_kernel`` then runs the shared mainloop (``tile_gemm``) over that token range, one
-scale per A row and per B column per block: the promotion is the same as the forward's.
+blocks ``block_start[e] .. block_start[e + 1]`` (its rows, zero-padded to whole blocks, and
+to whole K steps of ``wgrad_kernel`` where a step spans several blocks). ``wgrad_kernel``
+then runs the shared mainloop (``tile_gemm``) over that token range, one scale per A row
+and per B column per block, applied as the forward applies them (promoted, or in the MMA).
 """
 
 import triton
@@ -70,7 +71,8 @@ def token_major_kernel(
 def wgrad_kernel(
     a, a_scales, b, b_scales, out, out2, block_start,
     M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr, KT: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED_MMA: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """``[experts, M, N]`` (the outputs' dtype) ``= A_e^T B_e`` from the token-major copies
     ``a [M, KT]``, ``b [N, KT]`` and their scales. ``SPLIT_M`` 0: all into ``out``;
@@ -86,7 +88,7 @@ def wgrad_kernel(
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
         a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n_cols, k_start, k_end, N, KT,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, UPCAST_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, SCALED_MMA, UPCAST_DOT,
     )
     if SPLIT_M > 0:
         tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")

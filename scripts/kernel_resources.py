@@ -1,13 +1,15 @@
-"""What each fused kernel takes of an SM90 GPU, compiled on any host (no GPU needed).
+"""What each fused kernel takes of a GPU, compiled on any host (no GPU needed).
 
-    python scripts/kernel_resources.py [--precisions bf16,fp8,fp8_bwd] [--shape 30B-A3B] [--out DIR]
+    python scripts/kernel_resources.py [--precisions bf16,fp8,fp8_bwd] [--shape 30B-A3B]
+                                       [--arch sm90] [--out DIR]
 
 Runs the fused forward and backward (GEMM1 saved and recomputed, both score modes) on CPU
-tensors with every Triton launch replaced by a compile for ``sm_90a``, and prints, per
-kernel variant, its shared memory, registers per thread and spill (stack) bytes, read
-from the compiled binary. A kernel whose shared memory exceeds ``SM90_SHARED_BYTES``
-cannot launch on H100/H200; spills cost time (and, on first launch, a local-memory
-resize that waits for the device to go idle). Writes ``kernel_resources.json``.
+tensors with every Triton launch replaced by a compile for the architecture's target
+(``sm_90a``, or ``sm_100a`` for the tile table's Blackwell rows), and prints, per kernel
+variant, its shared memory, registers per thread, spill (stack) bytes and MMA
+instructions, read from the compiled binary. A kernel whose shared memory exceeds the
+architecture's limit cannot launch; spills cost time (and, on first launch, a
+local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
 The compile-only launch swaps in a stand-in for Triton's CUDA driver that names the
 target and never touches a device: it depends on Triton's runtime internals (tested
@@ -32,8 +34,10 @@ from triton.runtime import driver, jit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import SHAPES  # noqa: E402  (the bench's layer shapes)
 
-SM90_SHARED_BYTES = 232448
-"""Most shared memory one H100/H200 thread block may use (227 KB)."""
+CAPABILITY = {"sm90": 90, "sm100": 100}
+"""Compute capability each tile-table architecture compiles for."""
+SHARED_BYTES = {"sm90": 232448, "sm100": 232448}
+"""Most shared memory one thread block may use (227 KB on H100/H200 and B200)."""
 
 EP, TOKENS_PER_RANK, PROGRAMS, COMM_PROGRAMS = 2, 256, 132, 32
 """The group the kernels are compiled for; sizes that are runtime arguments do not change
@@ -41,17 +45,18 @@ the binaries."""
 
 
 class CompileOnlyCuda(CudaDriver):
-    """Triton's CUDA driver as far as compiling goes: an SM90 target, device 0, stream 0."""
+    """Triton's CUDA driver as far as compiling goes: a target of compute ``capability``,
+    device 0, stream 0."""
 
-    def __init__(self):  # the real one loads libcuda
-        pass
+    def __init__(self, capability: int):  # the real one loads libcuda
+        self.capability = capability
 
     @classmethod
     def is_active(cls):
         return True
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
     def get_current_device(self):
         return 0
@@ -77,9 +82,16 @@ def _usage(cubin: bytes) -> dict[str, int]:
     return {"registers": regs, "stack_bytes": stack}
 
 
-def compile_instead_of_launching(records: list[dict]) -> None:
-    """From now on a kernel launch compiles the kernel for SM90 and records its resources."""
-    driver.set_active(CompileOnlyCuda())
+def _mma_shapes(ptx: str) -> str:
+    """The MMA instructions of a kernel's PTX (Hopper wgmma, Blackwell tcgen05), shapes and types."""
+    found = re.findall(r"(wgmma\.mma_async\.sync\.aligned\.\S+?|tcgen05\.mma\.\S+?)[ ;]", ptx)
+    return " ".join(sorted({f.removeprefix("wgmma.mma_async.sync.aligned.") for f in found}))
+
+
+def compile_instead_of_launching(records: list[dict], capability: int) -> None:
+    """From now on a kernel launch compiles the kernel for compute ``capability`` and
+    records its resources."""
+    driver.set_active(CompileOnlyCuda(capability))
     compile_kernel = jit.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -87,13 +99,14 @@ def compile_instead_of_launching(records: list[dict]) -> None:
         record = {"kernel": self.__name__, "num_warps": kernel.metadata.num_warps,
                   "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared}
         record.update(_usage(kernel.asm["cubin"]))
+        record["mma"] = _mma_shapes(kernel.asm["ptx"])
         if record not in records:
             records.append(record)
 
     jit.JITFunction.run = run
 
 
-def run_fused(precision_name: str, shape: str) -> None:
+def run_fused(precision_name: str, shape: str, arch: str) -> None:
     """One forward and backward of each kind (GEMM1 saved or recomputed, score before or
     after the experts) on CPU tensors, through the fused backend's host code."""
     from titan_megamoe.kernels.backward import GradBuffers, fused_backward
@@ -105,8 +118,8 @@ def run_fused(precision_name: str, shape: str) -> None:
     hidden, inter, top_k = layer.hidden, layer.inter, layer.top_k
     local = layer.experts // EP
     precision = get_precision(precision_name)
-    tiles = tile_config("sm90", precision.forward.name)
-    grad_tiles = tile_config("sm90", precision.dgrad.name)
+    tiles = tile_config(arch, precision.forward.name)
+    grad_tiles = tile_config(arch, precision.dgrad.name)
 
     def symmetric(size, dtype):
         return torch.zeros(size, dtype=dtype), torch.zeros(EP, dtype=torch.int64)
@@ -135,30 +148,32 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--precisions", default="bf16,fp8,fp8_bwd", help="comma-separated precisions")
     p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
+    p.add_argument("--arch", default="sm90", choices=list(CAPABILITY), help="tile-table architecture")
     p.add_argument("--out", default="outputs/kernel_resources")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources: compiles for the GPU; unset TRITON_INTERPRET")
     results = {}
     records: list[dict] = []
-    compile_instead_of_launching(records)
+    compile_instead_of_launching(records, CAPABILITY[args.arch])
+    target, limit = f"sm_{CAPABILITY[args.arch]}a", SHARED_BYTES[args.arch]
     for name in args.precisions.split(","):
         records.clear()
-        print(f"[kernel_resources] {name}, {args.shape}: compiling for sm_90a", file=sys.stderr, flush=True)
-        run_fused(name, args.shape)
+        print(f"[kernel_resources] {name}, {args.shape}: compiling for {target}", file=sys.stderr, flush=True)
+        run_fused(name, args.shape, args.arch)
         results[name] = list(records)
-        print(f"\n{name} ({args.shape}, sm_90a)")
-        print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s}")
+        print(f"\n{name} ({args.shape}, {target})")
+        print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s}  mma")
         for r in records:
-            over = "  > limit" if r["shared_bytes"] > SM90_SHARED_BYTES else ""
+            over = "  > limit" if r["shared_bytes"] > limit else ""
             print(f"{r['kernel']:30s} {r['num_warps']:5d} {r['num_stages']:6d} {r['shared_bytes'] / 1024:9.1f} "
-                  f"{r['registers']:4d} {r['stack_bytes']:7d}{over}")
+                  f"{r['registers']:4d} {r['stack_bytes']:7d}  {r['mma']}{over}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_resources.json").write_text(json.dumps(
-        {"shape": args.shape, "shared_limit_bytes": SM90_SHARED_BYTES, "precisions": results}, indent=1))
+        {"shape": args.shape, "arch": args.arch, "shared_limit_bytes": limit, "precisions": results}, indent=1))
     print(f"wrote {out / 'kernel_resources.json'}", file=sys.stderr)
-    over = [(n, r["kernel"]) for n, rs in results.items() for r in rs if r["shared_bytes"] > SM90_SHARED_BYTES]
+    over = [(n, r["kernel"]) for n, rs in results.items() for r in rs if r["shared_bytes"] > limit]
     return 1 if over else 0
 
 

@@ -115,8 +115,11 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
     sized_for = f"{dataclasses.replace(shape, rank=0)} precision {settings.precision.name}, {tiles}"
     buffers = ForwardBuffers(shape, tiles, device, symm.allocator(group, device, sized_for))
     rows, cols = preact_shape(shape, tiles)
+    target, _ = fused_support.arch(device)
     logger.info(
-        f"mega_moe fused: buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
+        f"mega_moe fused: {settings.precision.name} GEMMs on {target}: "
+        f"{fused_support.describe_mma(target, settings.precision)}; "
+        f"buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
         f"{buffers.local_bytes / 2**30:.2f} GiB local; saving GEMM1's pre-activations would keep "
         f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer"

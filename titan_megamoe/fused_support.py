@@ -16,18 +16,21 @@ from titan_megamoe.precision import NATIVE, Precision
 
 SERVED_DTYPES = {
     "sm90": (torch.bfloat16,),
+    "sm100": (torch.bfloat16,),
     "interpret": (torch.float32, torch.bfloat16),
 }
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
 AUTO_PRECISIONS = {
     "sm90": ("bf16", "fp8"),
+    "sm100": (),
     "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
 (``fp8``: stock with torchao's FP8 recipe, ``docs/perf.md``). The others run fused when
-asked for (``backend = "fused"``) and go to the stock backend under ``auto``."""
+asked for (``backend = "fused"``) and go to the stock backend under ``auto``. sm90
+``mxfp8`` and every sm100 kernel are compiled but not yet measured."""
 
 
 def arch(device: torch.device) -> tuple[str | None, str]:
@@ -75,7 +78,7 @@ def unsupported_reason(
     target, described = arch(device)
     if target is None:
         rows = ", ".join(sorted({a for a, _ in TILE_CONFIGS} - {"interpret"}))
-        return f"the tile table has no row for {described}; it has: {rows} (H100/H200)"
+        return f"the tile table has no row for {described}; it has: {rows} (H100/H200, B200)"
     if precision.dgrad != precision.wgrad or precision.forward not in (NATIVE, precision.dgrad):
         return (f"precision {precision.name!r} mixes formats (forward {precision.forward.name}, "
                 f"backward {precision.dgrad.name} / {precision.wgrad.name}); the fused kernels run one "
@@ -89,6 +92,21 @@ def unsupported_reason(
         return (f"its {target} kernels take {served} activations; these experts compute in "
                 f"{str(dtype).removeprefix('torch.')} (FSDP's mixed_precision_param sets it)")
     return None
+
+
+def describe_mma(target: str, precision: Precision) -> str:
+    """How the fused GEMMs of ``precision`` multiply on architecture ``target``, for the log."""
+    fmt = precision.dgrad
+    if not fmt.quantized:
+        return "bf16 MMA"
+    if not fmt.scaled_mma:
+        return f"fp8 MMA, scales promoted per {fmt.row_scale_k}-element block"
+    if target == "sm90":
+        return ("MX MMA emulated: Hopper has none, so each e4m3 tile is scaled into bf16 and "
+                "multiplied by a bf16 MMA (exact)")
+    if target == "sm100":
+        return "native MX MMA (block-scaled tcgen05)"
+    return "MX scaled dot"
 
 
 def shape_unsupported_reason(precision: Precision, inter: int) -> str | None:

@@ -43,6 +43,13 @@ class Format:
         """Elements per scale along a row of activations or gradients (0: unquantized)."""
         return self.activation_block[1] if self.quantized else 0
 
+    @property
+    def scaled_mma(self) -> bool:
+        """The GEMMs hand the scales to the MMA (``tl.dot_scaled``: OCP MX, one UE8M0 scale
+        per 32 elements along K of both operands) instead of promoting each scale block's
+        partial product into the accumulator."""
+        return self.power_of_two and self.activation_block == self.weight_block == (1, 32)
+
     def block(self, is_weight: bool) -> tuple[int, int]:
         """The scale block of a weight operand or of an activation / gradient operand."""
         return self.weight_block if is_weight else self.activation_block
@@ -85,7 +92,7 @@ PRECISIONS: dict[str, Precision] = {
 }
 """Every precision the operator runs, by name."""
 
-PRECISION_CHOICES = ("auto", "bf16", "fp8", "fp8_bwd", "mxfp8")
+PRECISION_CHOICES = ("auto", "bf16", "fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16")
 """What ``[mega_moe] precision`` (and every script's ``--precision``) accepts; ``auto``
 follows the torchao grouped-MM converter in ``model.converters``."""
 

@@ -22,7 +22,8 @@ def gemm_tile_kernel(
     a, a_scale, b, b_scale, b2, b2_scale, out, out2, num_rows, expert,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,13 +33,13 @@ def gemm_tile_kernel(
     if TWO_B:
         acc, acc2 = tile_gemm(
             a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, SCALED_MMA, UPCAST_DOT,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
             a, a_scale, rows, b, b_scale, None, None, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, SCALED_MMA, UPCAST_DOT,
         )
     tl.store(out + at, acc, mask=mask)
 
@@ -68,7 +69,7 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         m, expert,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
-        B_SCALE_N=fmt.weight_block[0] if fmt.quantized else 0,
+        B_SCALE_N=fmt.weight_block[0] if fmt.quantized else 0, SCALED_MMA=fmt.scaled_mma,
         UPCAST_DOT=INTERPRET, **launch,
     )
     return out, out2
@@ -102,7 +103,10 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
         a_ref = dequantize_blocks(qa, sa, fmt.activation_block).double()
         expected = [a_ref @ dequantize_blocks(q[-1], s[-1], fmt.weight_block).double().T for q, s in zip(qbs, sbs)]
         on = [t.to(device) for t in (qa, sa, *qbs, *sbs)]
-        for block_k in (bk for bk in block_ks if scale_k % bk == 0):
+        # Promotion steps inside a scale block; a scaled MMA over whole ones.
+        fitting = [bk for bk in block_ks if (bk % scale_k if fmt.scaled_mma else scale_k % bk) == 0]
+        assert fitting, (fmt.name, block_ks)
+        for block_k in fitting:
             for two_b in (False, True):
                 outs = run_tile_gemm(
                     on[0], on[2], on[3] if two_b else None, on[1], on[4], on[5] if two_b else None,

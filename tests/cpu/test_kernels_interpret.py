@@ -64,11 +64,12 @@ def test_tile_table_lookups(monkeypatch):
     assert configs.tile_config("interpret", "native") is configs.TILE_CONFIGS["interpret", "native"]
     monkeypatch.setattr(configs, "INTERPRET", False)
     assert configs.arch_of((9, 0)) == "sm90"
-    assert configs.arch_of((10, 0)) is None
+    assert configs.arch_of((10, 0)) == "sm100"
+    assert configs.arch_of((12, 0)) is None
     assert configs.arch_of(None) is None
     assert configs.tile_config("sm90", "native").block_m == 128
-    with pytest.raises(ValueError, match=r"architecture 'sm100' and format 'mxfp8'; rows: \(sm90, native\)"):
-        configs.tile_config("sm100", "mxfp8")
+    with pytest.raises(ValueError, match=r"architecture 'sm100' and format 'fp8_block'; rows: \(sm90, native\)"):
+        configs.tile_config("sm100", "fp8_block")
 
 
 def test_tile_rows_meet_the_kernels_constraints():
@@ -81,7 +82,7 @@ def test_tile_rows_meet_the_kernels_constraints():
         row = (arch, fmt_name)
         assert tiles.block_m % tiles.gemm1_m == 0 and tiles.block_m % tiles.grad1_m == 0, row
         # Precisions whose passes use two rows of one architecture read one receive layout.
-        assert tiles.block_m == configs.TILE_CONFIGS[arch, "native"].block_m, row
+        assert all(tiles.block_m == other.block_m for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
         fmt = FORMATS[fmt_name]
         if not fmt.quantized:
             continue
@@ -89,7 +90,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         # Epilogues store h and [da | db] in whole scale blocks.
         for field in ("gemm1_n", "grad1_n", "grad1_saved_n", "copy_cols"):
             assert getattr(tiles, field) % scale_k == 0, (row, field)
-        # A mainloop step stays inside one scale block (the weight gradients' inside one
-        # token block).
+        # A promoting mainloop's step stays inside one scale block (the weight gradients'
+        # inside one token block); a scaled MMA's covers whole ones.
         for field in ("gemm1_k", "gemm2_k", "grad1_k", "dgrad_k", "wgrad_k"):
-            assert scale_k % getattr(tiles, field) == 0, (row, field)
+            step = getattr(tiles, field)
+            assert (step % scale_k if fmt.scaled_mma else scale_k % step) == 0, (row, field)

@@ -555,21 +555,43 @@ def test_ab_train_rejects_a_bad_ab_stock_bf16(tmp_path):
 # ---------------------------------------------------------------- kernel resources
 
 
-def test_every_sm90_kernel_fits_an_h100(tmp_path):
-    """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8 and
-    fp8_bwd tile rows fits in an H100/H200 thread block's shared memory: a row that does
-    not fails on the GPU only at its first launch."""
+GEMM_KERNELS = {"dispatch_gemm1_kernel", "rows_gemm_combine_kernel", "dispatch_grad_gemm1_kernel"}
+
+
+def _kernel_resources(tmp_path, *args) -> dict:
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "kernel_resources.py"), "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "scripts" / "kernel_resources.py"), "--out", str(tmp_path), *args],
         env={k: v for k, v in NO_GPU_ENV.items() if k != "TRITON_INTERPRET"},
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((tmp_path / "kernel_resources.json").read_text())
-    for name in ("bf16", "fp8", "fp8_bwd"):
+    return json.loads((tmp_path / "kernel_resources.json").read_text())
+
+
+def test_every_sm90_kernel_fits_an_h100(tmp_path):
+    """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8,
+    fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory: a row
+    that does not fails on the GPU only at its first launch. mxfp8's scaled MMA becomes a
+    bf16 MMA there (Hopper has no MX MMA)."""
+    report = _kernel_resources(tmp_path, "--precisions", "bf16,fp8,fp8_bwd,mxfp8")
+    for name in ("bf16", "fp8", "fp8_bwd", "mxfp8"):
         kernels = {r["kernel"] for r in report["precisions"][name]}
-        assert {"dispatch_gemm1_kernel", "rows_gemm_combine_kernel", "dispatch_grad_gemm1_kernel"} <= kernels, name
-    assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"]["fp8"]}
+        assert GEMM_KERNELS <= kernels, name
+    for name in ("fp8", "mxfp8"):
+        assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"][name]}
+    mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS}
+    assert mma and all(m.endswith(".f32.bf16.bf16") for m in mma), mma
+
+
+def test_sm100_mxfp8_kernels_compile_to_native_mx_mma(tmp_path):
+    """The Blackwell row, compiled for sm_100a (no Blackwell GPU runs it here): every GEMM
+    issues the block-scaled MX MMA, and every kernel fits in shared memory."""
+    report = _kernel_resources(tmp_path, "--arch", "sm100", "--precisions", "mxfp8")
+    records = report["precisions"]["mxfp8"]
+    assert GEMM_KERNELS | {"wgrad_kernel"} <= {r["kernel"] for r in records}
+    for r in records:
+        if r["kernel"] in GEMM_KERNELS | {"wgrad_kernel"}:
+            assert "block_scale.block32" in r["mma"], r
 
 
 def test_kernel_resources_flags_a_row_over_the_limit(tmp_path):

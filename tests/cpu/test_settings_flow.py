@@ -104,6 +104,14 @@ def test_auto_gives_fused_only_precisions_measured_faster(monkeypatch):
     assert resolve_backend("fused", *where, get_precision("fp8")) == ("fused", "asked for")
 
 
+def test_the_log_says_how_the_fused_gemms_multiply():
+    describe = fused_support.describe_mma
+    assert describe("sm90", get_precision("bf16")) == "bf16 MMA"
+    assert describe("sm90", get_precision("fp8")) == "fp8 MMA, scales promoted per 128-element block"
+    assert describe("sm90", get_precision("mxfp8")).startswith("MX MMA emulated: Hopper has none")
+    assert describe("sm100", get_precision("mxfp8")) == "native MX MMA (block-scaled tcgen05)"
+
+
 def test_named_backend_runs_or_says_why(monkeypatch):
     monkeypatch.setattr(fused_support, "unsupported_reason", lambda *_: "test: no GPU")
     where = (torch.device("cpu"), torch.float32, get_precision("bf16"))

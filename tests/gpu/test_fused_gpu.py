@@ -1,5 +1,5 @@
 """The fused forward and backward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts),
-in bf16, fp8 and fp8_bwd, against the same-precision reference backend and an fp32 reference
+in bf16, fp8, fp8_bwd and mxfp8, against the same-precision reference backend and an fp32 reference
 (output and every gradient, each by its global and its worst-row error): adversarial
 routings, both score modes, GEMM1 recomputed and saved, poisoned buffers, determinism,
 no host synchronisation."""
@@ -58,7 +58,7 @@ doubled slot moves a row by more than 1 / top_k)."""
 
 
 TOLERANCES = {"bf16": (BF16_TOLERANCE, BF16_TOLERANCE), "fp8": (BF16_TOLERANCE, 8e-2),
-              "fp8_bwd": (BF16_TOLERANCE, 8e-2)}
+              "fp8_bwd": (BF16_TOLERANCE, 8e-2), "mxfp8": (BF16_TOLERANCE, 8e-2)}
 """Precision -> (against the same-precision reference, against fp32): DESIGN.md's."""
 
 STATISTICAL_MIN_ROWS, STATISTICAL_MIN_VALUES = 64, 1024
