@@ -20,11 +20,14 @@ One call (all on the current stream, no host synchronisation):
 5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
    the score gradient when the score scaled the expert input).
 
-Quantized (fp8): ``x`` and ``dy`` are quantized once per token before the first kernel,
-the weights and their transposes (each in its own orientation) on every call for now,
-the dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run in fp8
-on token-major copies of their operands quantized along the rows, as the spec says
-(``kernels.wgrad``), instead of torch's grouped GEMM.
+Quantized: ``x`` and ``dy`` are quantized once per token before the first kernel, the
+weights and their transposes (each in its own orientation) on every call for now, the
+dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run quantized on
+token-major copies of their operands quantized along the rows, as the spec says
+(``kernels.wgrad``), instead of torch's grouped GEMM. Native weight gradients after a
+quantized forward (``mxfp8_wgrad_bf16``) take torch's grouped GEMM on the rows as they
+crossed: unquantized, so ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
+quantize them as they read them.
 """
 
 import functools
@@ -46,33 +49,40 @@ from titan_megamoe.kernels.forward import (
     reduce,
     route,
     row_buffer,
+    weight_scale_rows,
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.kernels.transpose import transposed_side_by_side
 from titan_megamoe.kernels.wgrad import token_major_kernel, wgrad_kernel
-from titan_megamoe.precision import Format
+from titan_megamoe.precision import Format, Precision
 
 
 class GradBuffers:
     """What the backward adds to a ``ForwardBuffers`` (same group and shape), allocated on
     the first backward: symmetric receive buffers for the ``dy`` rows and the scores, and
-    the buffer the owners return score gradients into. ``tiles``: the backward kernels'
-    row of the tile table (its format's), with the forward's ``block_m``."""
+    the buffer the owners return score gradients into. ``precision``: the forward's
+    format must be the one ``forward`` was made for. ``tiles``: the backward kernels' row
+    of the tile table (its dgrad format's), with the forward's ``block_m``."""
 
-    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, grad_format: Format,
+    def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, precision: Precision,
                  tiles: TileConfig):
         shape = forward.shape
         rows = forward.recv.shape[0]
         if tiles.block_m != forward.tiles.block_m:
             raise ValueError(f"the backward's tiles have block_m = {tiles.block_m}, the forward's "
                              f"{forward.tiles.block_m}: both kernels read one receive layout")
+        x_link, self.dy_link = precision.backward_link
+        if precision.forward != shape.row_format or (x_link != shape.row_format) != shape.native_resend:
+            raise ValueError(f"precision {precision.name!r} does not match the forward buffers' row format "
+                             f"{shape.row_format.name} (native_resend = {shape.native_resend})")
         self.tiles = tiles
-        self.grad_format = grad_format
-        """Format of the backward's GEMM operands (dgrad and weight gradients): the ``dy``
-        rows cross the link in it."""
-        self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, grad_format.row_scale_k)
+        self.grad_format = precision.dgrad
+        """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad)."""
+        self.wgrad_format = precision.wgrad
+        """Format of the weight-gradient GEMMs."""
+        self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
+            symmetric, rows, shape.hidden, shape.dtype, self.dy_link.row_scale_k)
         self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
 
@@ -87,8 +97,8 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
     transposed weights (the GEMMs read every operand K-major), in e4m3 where the backward
     is quantized, with the e4m3 copies of ``dab`` and ``dy``; then, quantized, a pair of
-    token-major copies for the weight gradients. A quantized forward adds ``h`` for the
-    weight gradients and GEMM1's e4m3 weights."""
+    token-major copies for quantized weight gradients. A quantized forward adds ``h`` for
+    the weight gradients and GEMM1's e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter = shape.hidden, shape.inter
@@ -101,9 +111,12 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     if not scale_k:
         return total + weights * shape.dtype.itemsize
     scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
-    kt = _token_major_length(shape, tiles, grad.grad_format)
+    dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
+    through_dgrad = rows * 2 * inter + weights + dy_copy
+    if not grad.wgrad_format.quantized:
+        return total + int(through_dgrad * scaled)
+    kt = _token_major_length(shape, tiles, grad.wgrad_format)
     token_major = kt * max(hidden + inter, 2 * inter + hidden)
-    through_dgrad = rows * 2 * inter + weights + shape.capacity_tokens_per_rank * hidden
     return total + int(max(through_dgrad, shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
 
 
@@ -201,7 +214,14 @@ def fused_backward(
             f"saved pre-activations have shape {tuple(preact.shape)}; expected {preact_shape(shape, tiles)}"
         )
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
-    resident = buffers.resident == (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
+    # Native weight gradients after a quantized forward: x and dy cross unquantized (the
+    # expert inputs again, into the receive buffer's native view) and the scaled GEMMs
+    # quantize them as they read them.
+    quantize_on_read = shape.native_resend
+    recv_rows, recv_row_scales = ((buffers.recv_native, None) if quantize_on_read
+                                  else (buffers.recv, buffers.recv_scales))
+    inputs = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
+    resident = not quantize_on_read and buffers.resident == inputs
     order, send_start, _ = route(topk_idx, buffers, timeout_s, needs_input=not resident)
 
     rows = buffers.recv.shape[0]
@@ -209,8 +229,8 @@ def fused_backward(
                        else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
     parts = triton.cdiv(shape.inter, block_n)
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
-    # The expert inputs cross (and GEMM1 is recomputed) in the forward's format; dy, the
-    # dgrad GEMMs and the weight gradients are in the backward's.
+    # GEMM1 is recomputed in the forward's format; dy W2 and the dgrad GEMM run in the
+    # backward's, the weight gradients in theirs.
     x_fmt, x_scale_k = shape.row_format, shape.row_scale_k
     fmt = grad.grad_format
     scale_k = fmt.row_scale_k
@@ -222,10 +242,12 @@ def fused_backward(
     w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = None
     sent, dy_sent = x, dy
     # K-major copies of the weights as the backward's GEMMs read them.
+    dequantize = bool(tiles.mx_dequantized_weights)
     if scale_k:
-        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block)
-        w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block)
-        dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
+        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block, dequantize)
+        w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block, dequantize)
+        if grad.dy_link.quantized:
+            dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
         dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
         dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
@@ -234,14 +256,14 @@ def fused_backward(
         w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
     if x_scale_k and preact is None:
-        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt)
-    if x_scale_k and not score_before_experts:
+        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, dequantize)
+    if x_scale_k and not score_before_experts and not quantize_on_read:
         sent, x_scales = quantize_rows(x, x_scale_k, x_fmt.power_of_two)
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     dispatch_grad_gemm1_kernel[(num_programs,)](
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
-        buffers.flag_ptrs, buffers.recv, buffers.recv_scales, grad.recv_grad, grad.recv_grad_scales,
+        buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
         grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
         buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w2t, w2t_scales,
         w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q, dab_scales,
@@ -253,9 +275,9 @@ def fused_backward(
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
-        W_SCALE_N=w_fmt.weight_block[0], SCALED_MMA=w_fmt.scaled_mma, POWER_OF_TWO=w_fmt.power_of_two,
-        ACT_DTYPE=TRITON_DTYPES[x.dtype],
-        ZERO_PADDING=not scale_k,
+        W_SCALE_N=weight_scale_rows(w_fmt, tiles), SCALED_MMA=w_fmt.scaled_mma, QUANTIZE_ON_READ=quantize_on_read,
+        POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        ZERO_PADDING=not grad.wgrad_format.quantized,
         num_warps=tiles.grad1_warps, num_stages=stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
@@ -266,7 +288,7 @@ def fused_backward(
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma,
+        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), SCALED_MMA=fmt.scaled_mma,
         OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
@@ -274,20 +296,22 @@ def fused_backward(
     # caching allocator hands it out in stream order, after the kernel above).
     del w2t, w13t, w2t_scales, w13t_scales, dab_q, dab_scales
 
-    if scale_k:
+    wgrad_fmt = grad.wgrad_format
+    if wgrad_fmt.quantized:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
         # One after the other, so that the first pair of token-major copies (and the
         # quantized forward's h copy) is freed before the second is made.
-        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, fmt, _token_block_starts(buffers, tiles, fmt))
+        starts = _token_block_starts(buffers, tiles, wgrad_fmt)
+        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, wgrad_fmt, starts)
         wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
         del h_wgrad
-        wgrad(dab, None, 2 * shape.inter, buffers.recv, buffers.recv_scales, shape.hidden, (dw1, dw3))
+        wgrad(dab, None, 2 * shape.inter, recv_rows, recv_row_scales, shape.hidden, (dw1, dw3))
     else:
         bm = tiles.block_m
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
         dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
-        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), buffers.recv, offs=ends)
-        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), buffers.recv, offs=ends)
+        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), recv_rows, offs=ends)
+        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), recv_rows, offs=ends)
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)

@@ -23,10 +23,12 @@ Padding rows of an expert's last block are stored as zeros (``dab``, ``h_wgrad``
 and, for torch's bf16 grouped GEMMs, the received ``x`` and ``dy`` rows), so the
 weight-gradient GEMMs may run over whole blocks whatever the buffers held before.
 
-Quantized (fp8): the ``dy`` rows arrive as e4m3 with their scales, GEMM1 and ``dy W2``
-promote per scale block (``tile_gemm``), and ``[da | db]`` is stored twice: in the
-activation dtype for the weight gradients (``wgrad``), and quantized along I for the
-dgrad GEMM (``dab_q``, ``dab_scales``).
+Quantized: the ``dy`` rows arrive as e4m3 with their scales, GEMM1 and ``dy W2`` are
+scaled GEMMs (``tile_gemm``), and ``[da | db]`` is stored twice: in the activation dtype
+for the weight gradients (``wgrad``), and quantized along I for the dgrad GEMM
+(``dab_q``, ``dab_scales``). With native weight gradients after a quantized forward
+(``mxfp8_wgrad_bf16``) the expert inputs and ``dy`` arrive in the activation dtype, as
+the weight gradients read them, and GEMM1 and ``dy W2`` quantize them as they read them.
 """
 
 import triton
@@ -54,16 +56,22 @@ def dispatch_grad_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    SCALED_MMA: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    SCALED_MMA: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
     """``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
     forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
     quantized, ``dy W2`` is scaled, and ``[da | db]`` is also stored quantized for the
     dgrad GEMM (``dab_q``, ``dab_scales``, after rounding to ``ACT_DTYPE``); weights are
-    e4m3 with one scale per ``W_SCALE_N x`` scale-width block (``SCALED_MMA``: ``tile_gemm``). ``ZERO_PADDING``: zero the
-    received rows past each expert's end (for weight-gradient GEMMs over whole blocks)."""
+    e4m3 with one scale per ``W_SCALE_N x`` scale-width block (``SCALED_MMA``: ``tile_gemm``).
+    ``QUANTIZE_ON_READ`` (native weight gradients, which read the rows as they crossed):
+    the expert inputs and ``dy`` cross in the activation dtype, and the scaled GEMMs
+    quantize them as they read them. ``ZERO_PADDING``: zero the received rows past each
+    expert's end (for weight-gradient GEMMs over whole blocks)."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
+    # What the rows cross the link in: quantized, or the activation dtype.
+    LINK_X_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else X_SCALE_K
+    LINK_GRAD_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else GRAD_SCALE_K
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
@@ -71,7 +79,7 @@ def dispatch_grad_gemm1_kernel(
                 recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs,
                 grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, X_SCALE_K, GRAD_SCALE_K, POWER_OF_TWO,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, LINK_X_SCALE_K, LINK_GRAD_SCALE_K, POWER_OF_TWO,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -95,7 +103,7 @@ def dispatch_grad_gemm1_kernel(
         live = rows < end
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
-                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, SCALED_MMA)
+                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, SCALED_MMA, QUANTIZE_ON_READ)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -104,7 +112,7 @@ def dispatch_grad_gemm1_kernel(
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, 0, HIDDEN, INTER, HIDDEN,
-            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, SCALED_MMA, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, SCALED_MMA, QUANTIZE_ON_READ, UPCAST_DOT,
         )
 
         sig = tl.sigmoid(g)

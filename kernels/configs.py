@@ -66,7 +66,7 @@ class TileConfig:
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
     token_major_cols: int = 128
     """Columns of a token-major copy program (one token block by this many columns); must
-    divide the row scale block of an operand that arrives quantized."""
+    divide the row scale block of an operand that arrives quantized, or hold whole ones."""
     token_major_warps: int = 4
     """Warps of a token-major copy program."""
     gemm2_overlap: int = 1
@@ -74,13 +74,18 @@ class TileConfig:
     this tile's epilogue (more registers); 0: tiles one after another."""
     dgrad_overlap: int = 1
     """The same for the dgrad GEMM."""
+    mx_dequantized_weights: int = 0
+    """Scaled-MMA formats (mxfp8) only. 1: the weights are quantized and dequantized to
+    bf16 once per call, and the GEMMs scale only their A operand (``tl.dot_scaled`` with a
+    bf16 B: same values); where the MMA has no MX form (Hopper) this spares converting a
+    weight tile per K step. 0: the weights stay e4m3 with their scales."""
 
     def __post_init__(self):
         for name in ("gemm1_m", "grad1_m"):
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
-        for name in ("gemm2_overlap", "dgrad_overlap"):
+        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
 
@@ -122,8 +127,8 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA, so Triton multiplies each e4m3 tile by its
     # power-of-two scales into bf16 and runs a bf16 MMA: no partial products, tiles as
-    # the bf16 row's with K steps of two scale blocks (64). Compiled, not yet measured
-    # (docs/perf.md v14).
+    # the bf16 row's with K steps of two scale blocks (64); token-major copies 64 columns
+    # wide, as fp8's. Compiled, not yet measured (docs/perf.md v14).
     ("sm90", "mxfp8"): TileConfig(
         block_m=128,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
@@ -132,7 +137,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=64, wgrad_warps=8, wgrad_stages=4, token_major_cols=32,
+        wgrad_m=128, wgrad_n=128, wgrad_k=64, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
     # MXFP8 on B200 (SM100): native MX MMA (block-scaled tcgen05) with the accumulators in
     # tensor memory; K steps of 128 (four scale blocks). Compiled for sm_100a, never run:
@@ -145,7 +150,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=3,
         dgrad_n=256, dgrad_k=128, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3, token_major_cols=32,
+        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3, token_major_cols=64,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
     # half a block tall, as on the GPU.
@@ -169,7 +174,8 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
     ),
     # mxfp8's K steps span one or two scale blocks (the scaled MMA takes whole ones); the
-    # weight gradients' two, so each expert's tokens are padded to 64.
+    # weight gradients' two, so each expert's tokens are padded to 64; token-major copies
+    # read two scale blocks of the arriving rows per program.
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
         gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
@@ -178,7 +184,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=1,
         dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=32,
+        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=64,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

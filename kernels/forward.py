@@ -48,6 +48,10 @@ class ForwardShape:
     """Format of the forward's GEMM operands: native, the rows cross the link in ``dtype``;
     quantized, the expert input rows cross it (and ``h`` is stored) as e4m3 with one scale
     per ``row_scale_k`` elements, and the receive buffer carries the scales."""
+    native_resend: bool = False
+    """Quantized rows only: the backward sends the expert inputs again in ``dtype``
+    (``Precision.backward_link``) into the same receive buffer, which is sized for either
+    (``ForwardBuffers.recv_native`` views it so)."""
 
     @property
     def row_scale_k(self) -> int:
@@ -86,8 +90,8 @@ class ForwardBuffers:
             local_experts=shape.local_experts,
             max_chunks=math.ceil(shape.rows_per_rank / bm),
         )
-        self.recv, self.recv_scales, self.recv_ptrs = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, shape.row_scale_k)
+        self.recv, self.recv_scales, self.recv_ptrs, self.recv_native = row_buffer(
+            symmetric, rows, shape.hidden, shape.dtype, shape.row_scale_k, shape.native_resend)
         self.recv_meta, self.recv_meta_ptrs = symmetric((rows,), torch.int32)
         self.combine, self.combine_ptrs = symmetric((shape.rows_per_rank, shape.hidden), shape.dtype)
         self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int64)
@@ -124,8 +128,11 @@ class ForwardBuffers:
 
     @property
     def symmetric_bytes(self) -> int:
-        held = (self.recv, self.recv_scales, self.recv_meta, self.combine, self.flags)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        held = (self.recv_meta, self.combine, self.flags)
+        receive = sum(t.numel() * t.element_size() for t in (self.recv, self.recv_scales) if t is not None)
+        if self.recv_native is not None:
+            receive = max(receive, self.recv_native.numel() * self.recv_native.element_size())
+        return receive + sum(t.numel() * t.element_size() for t in held)
 
     @property
     def local_bytes(self) -> int:
@@ -144,20 +151,36 @@ class ForwardBuffers:
             raise RuntimeError(message)
 
 
-def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch.dtype, scale_k: int):
-    """``(rows [rows, cols], scales [rows, cols / scale_k] or None, peer addresses)``: rows
-    of ``dtype`` (``scale_k`` 0), or e4m3 rows with one fp32 scale per ``scale_k`` columns,
-    held in one symmetric allocation, the scales behind the rows, so that a row and its
-    scales travel to the same peer buffer."""
+def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch.dtype, scale_k: int,
+               native_too: bool = False):
+    """``(rows [rows, cols], scales [rows, cols / scale_k] or None, peer addresses, native
+    view or None)``: rows of ``dtype`` (``scale_k`` 0), or e4m3 rows with one fp32 scale
+    per ``scale_k`` columns, held in one symmetric allocation, the scales behind the rows,
+    so that a row and its scales travel to the same peer buffer. ``native_too``: the
+    allocation can also hold the rows in ``dtype``, and the fourth element views it so
+    (either form at a time)."""
     if not scale_k:
         data, ptrs = symmetric((rows, cols), dtype)
-        return data, None, ptrs
+        return data, None, ptrs, None
     scale_cols = math.ceil(cols / scale_k)
     data_bytes = math.ceil(rows * cols / 16) * 16  # the scales start 16-byte aligned
-    raw, ptrs = symmetric((data_bytes + rows * scale_cols * 4,), torch.uint8)
+    scale_bytes = rows * scale_cols * 4
+    native_bytes = rows * cols * dtype.itemsize if native_too else 0
+    raw, ptrs = symmetric((max(data_bytes + scale_bytes, native_bytes),), torch.uint8)
     data = raw[: rows * cols].view(torch.float8_e4m3fn).view(rows, cols)
-    scales = raw[data_bytes:].view(torch.float32).view(rows, scale_cols)
-    return data, scales, ptrs
+    scales = raw[data_bytes : data_bytes + scale_bytes].view(torch.float32).view(rows, scale_cols)
+    native = raw[:native_bytes].view(dtype).view(rows, cols) if native_too else None
+    return data, scales, ptrs, native
+
+
+def weight_scale_rows(fmt: Format, tiles: TileConfig) -> int:
+    """Rows of a weight scale block as the GEMM kernels take it (``W_SCALE_N``): the
+    format's, or 0 where the weights are handed over dequantized (``mx_dequantized_weights``)."""
+    if tiles.mx_dequantized_weights:
+        if not fmt.scaled_mma:
+            raise ValueError(f"mx_dequantized_weights = 1 needs a scaled-MMA format; {fmt.name} is not one")
+        return 0
+    return fmt.weight_block[0]
 
 
 def pad(n: int) -> int:
@@ -290,7 +313,8 @@ def fused_forward(
     w1_scales = w2_scales = w3_scales = sent_scales = None
     sent = x
     if scale_k:
-        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt)
+        dequantize = bool(tiles.mx_dequantized_weights)
+        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt, dequantize)
         if not score_before_experts:
             sent, sent_scales = quantize_rows(x, scale_k, fmt.power_of_two)
     dispatch_gemm1_kernel[(num_programs,)](
@@ -306,7 +330,7 @@ def fused_forward(
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
-        W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma, POWER_OF_TWO=fmt.power_of_two,
+        W_SCALE_N=weight_scale_rows(fmt, tiles), SCALED_MMA=fmt.scaled_mma, POWER_OF_TWO=fmt.power_of_two,
         ACT_DTYPE=TRITON_DTYPES[x.dtype],
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
@@ -318,7 +342,7 @@ def fused_forward(
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=scale_k, W_SCALE_N=fmt.weight_block[0], SCALED_MMA=fmt.scaled_mma,
+        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), SCALED_MMA=fmt.scaled_mma,
         OVERLAP=bool(tiles.gemm2_overlap),
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )

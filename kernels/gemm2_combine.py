@@ -72,7 +72,7 @@ def rows_gemm_combine_kernel(
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, None, None, le, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, SCALED_MMA, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, SCALED_MMA, False, UPCAST_DOT,
         )
 
         live = rows < end

@@ -19,10 +19,16 @@ K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
   ``acc = dot_scaled(a, sa, b, sb, acc)`` with the scales as UE8M0 exponents. Native MX
   MMA on Blackwell; on Hopper Triton multiplies the e4m3 tiles by their scales in bf16
   (exact: a power of two times an e4m3 value is a bf16 value) and runs a bf16 MMA.
+  With ``QUANTIZE_A``, A arrives unquantized (rows that crossed the link in the
+  activation dtype) and each tile is quantized as it is read, exactly as the reference
+  quantizes such a row (``quantize_tile``). With ``B_SCALE_N`` 0, B holds weights
+  already dequantized to bf16 (the same values), so only A is scaled in the MMA.
 """
 
 import triton
 import triton.language as tl
+
+from titan_megamoe.kernels.quantize import quantize_tile
 
 
 @triton.jit
@@ -38,7 +44,7 @@ def tile_gemm(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
     ``(A B^T, A B2^T)``.
@@ -49,15 +55,18 @@ def tile_gemm(
     ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
     ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``SCALED_MMA``,
-    which takes ``B_SCALE_N`` 1). ``UPCAST_DOT``: operands go to the dot in fp32 (the
-    Triton interpreter computes bf16 dots wrongly).
+    which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A`` (``SCALED_MMA`` only): ``a`` holds
+    unquantized rows, ``a_scale`` is unused (None). ``UPCAST_DOT``: operands go to the dot
+    in fp32 (the Triton interpreter computes bf16 dots wrongly).
     """
     PROMOTE: tl.constexpr = (SCALE_K > 0) & (not SCALED_MMA)
     if PROMOTE:
         tl.static_assert(SCALE_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_K")
     if SCALED_MMA:
         tl.static_assert(SCALE_K > 0, "a scaled MMA needs scales")
-        tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N == 1), "a scaled MMA takes whole 1 x SCALE_K blocks")
+        tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "a scaled MMA takes whole 1 x SCALE_K blocks")
+    else:
+        tl.static_assert(not QUANTIZE_A, "A is quantized on read only for a scaled MMA")
     # One pass of the K loop covers a scale block when promoting, else one BLOCK_K step.
     STEP: tl.constexpr = SCALE_K if PROMOTE else BLOCK_K
     ks = tl.arange(0, BLOCK_K)
@@ -74,18 +83,22 @@ def tile_gemm(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SCALE_K > 0:
         K_BLOCKS: tl.constexpr = tl.cdiv(K, SCALE_K)
-        sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
-        sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
-        sb_ptrs = b_scale + sb_offsets
-        if TWO_B:
-            sb2_ptrs = b2_scale + sb_offsets
+        if not QUANTIZE_A:
+            sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
+        if B_SCALE_N > 0:
+            sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
+            sb_ptrs = b_scale + sb_offsets
+            if TWO_B:
+                sb2_ptrs = b2_scale + sb_offsets
         if SCALED_MMA:
             # [rows, scale blocks of one K step] and [cols, scale blocks of one K step].
             step_blocks = tl.arange(0, BLOCK_K // SCALE_K)
-            sa_ptrs = sa_ptrs[:, None] + step_blocks[None, :]
-            sb_ptrs = sb_ptrs[:, None] + step_blocks[None, :]
-            if TWO_B:
-                sb2_ptrs = sb2_ptrs[:, None] + step_blocks[None, :]
+            if not QUANTIZE_A:
+                sa_ptrs = sa_ptrs[:, None] + step_blocks[None, :]
+            if B_SCALE_N > 0:
+                sb_ptrs = sb_ptrs[:, None] + step_blocks[None, :]
+                if TWO_B:
+                    sb2_ptrs = sb2_ptrs[:, None] + step_blocks[None, :]
 
     for k0 in range(k_start, k_end, STEP):
         if SCALED_MMA:
@@ -95,14 +108,26 @@ def tile_gemm(
             kb_ok = (kb + step_blocks < K_BLOCKS) | (K % BLOCK_K == 0)
             sb_mask = col_ok[:, None] & kb_ok[None, :]
             x = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            sx = _ue8m0(tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0))
+            if QUANTIZE_A:
+                # Columns past K read as 0: a partial last block quantizes as the
+                # reference's zero-padded one.
+                x, sa_values = quantize_tile(x.to(tl.float32), SCALE_K, True)
+                sx = _ue8m0(sa_values)
+            else:
+                sx = _ue8m0(tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0))
             y = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
-            sy = _ue8m0(tl.load(sb_ptrs + kb, mask=sb_mask, other=1.0))
-            acc = tl.dot_scaled(x, sx, "e4m3", y, sy, "e4m3", acc=acc)
             if TWO_B:
                 y2 = tl.load(b2_ptrs + k0, mask=b_mask, other=0.0)
-                sy2 = _ue8m0(tl.load(sb2_ptrs + kb, mask=sb_mask, other=1.0))
-                acc2 = tl.dot_scaled(x, sx, "e4m3", y2, sy2, "e4m3", acc=acc2)
+            if B_SCALE_N > 0:
+                sy = _ue8m0(tl.load(sb_ptrs + kb, mask=sb_mask, other=1.0))
+                acc = tl.dot_scaled(x, sx, "e4m3", y, sy, "e4m3", acc=acc)
+                if TWO_B:
+                    sy2 = _ue8m0(tl.load(sb2_ptrs + kb, mask=sb_mask, other=1.0))
+                    acc2 = tl.dot_scaled(x, sx, "e4m3", y2, sy2, "e4m3", acc=acc2)
+            else:
+                acc = tl.dot_scaled(x, sx, "e4m3", y, None, "bf16", acc=acc)
+                if TWO_B:
+                    acc2 = tl.dot_scaled(x, sx, "e4m3", y2, None, "bf16", acc=acc2)
         else:
             # Promoted: this scale block's partial product, promoted below. Unscaled: the
             # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.

@@ -5,7 +5,9 @@ quantized GEMM operand (activation rows, incoming gradients, the SwiGLU output),
 ``quantize_tile`` is the helper kernels call on a tile of fp32 values they hold;
 ``quantize_rows`` runs it over a whole tensor. Expert weights are quantized in their
 format's weight blocks, as the forward reads them (``quantize_weights``) and transposed,
-as the backward does (``quantize_transposed``).
+as the backward does (``quantize_transposed``); in 1 x K blocks (MX) they can also be
+handed over dequantized, in bf16 (``dequantize``): the same values, for a mainloop that
+scales only its A operand.
 """
 
 import torch
@@ -83,9 +85,10 @@ def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
 def quantize_rows_kernel(
     x, q, scales, num_rows,
     COLS: tl.constexpr, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
-    """``x [num_rows, COLS]`` -> ``q`` (e4m3, same shape), ``scales [num_rows, cdiv(COLS, SCALE_K)]``."""
+    """``x [num_rows, COLS]`` -> ``q`` (e4m3, same shape), ``scales [num_rows, cdiv(COLS, SCALE_K)]``;
+    with ``DEQUANTIZE``, ``q`` (bf16) gets ``e4m3 value * scale`` and ``scales`` is unused."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     live = rows < num_rows
@@ -93,33 +96,43 @@ def quantize_rows_kernel(
     at = rows[:, None].to(tl.int64) * COLS + cols[None, :]
     values = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
     tile_q, tile_scales = quantize_tile(values, SCALE_K, POWER_OF_TWO)
-    tl.store(q + at, tile_q, mask=mask)
-    K_BLOCKS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
-    kb = tl.program_id(1) * (BLOCK_COLS // SCALE_K) + tl.arange(0, BLOCK_COLS // SCALE_K)
-    tl.store(
-        scales + rows[:, None].to(tl.int64) * K_BLOCKS + kb[None, :],
-        tile_scales,
-        mask=live[:, None] & (kb[None, :] < K_BLOCKS),
-    )
+    if DEQUANTIZE:
+        BLOCKS: tl.constexpr = BLOCK_COLS // SCALE_K
+        blocks = tl.reshape(tile_q.to(tl.float32), (BLOCK_ROWS, BLOCKS, SCALE_K)) * tile_scales[:, :, None]
+        tl.store(q + at, tl.reshape(blocks, (BLOCK_ROWS, BLOCK_COLS)).to(q.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q + at, tile_q, mask=mask)
+        K_BLOCKS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
+        kb = tl.program_id(1) * (BLOCK_COLS // SCALE_K) + tl.arange(0, BLOCK_COLS // SCALE_K)
+        tl.store(
+            scales + rows[:, None].to(tl.int64) * K_BLOCKS + kb[None, :],
+            tile_scales,
+            mask=live[:, None] & (kb[None, :] < K_BLOCKS),
+        )
 
 
-def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool,
+                  dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``t [rows, cols]`` (any float dtype) -> ``(q [rows, cols] float8_e4m3fn,
     scales [rows, cdiv(cols, scale_k)] fp32)``, bit for bit
-    ``reference.quantize_blocks(t, (1, scale_k), power_of_two)``."""
+    ``reference.quantize_blocks(t, (1, scale_k), power_of_two)``. ``dequantize`` (power-of-two
+    scales only): ``(q * scales in bf16, None)``, which is exact."""
+    if dequantize and not power_of_two:
+        raise ValueError("dequantize = True keeps values exact only with power-of-two scales")
     if t.dim() != 2:
         raise ValueError(f"quantize_rows takes a 2-D tensor; got shape {tuple(t.shape)}")
     if scale_k <= 0 or COLS_PER_PROGRAM % scale_k:
         raise ValueError(f"scale_k = {scale_k} must be a power of two up to {COLS_PER_PROGRAM}")
     t = t.contiguous()
     rows, cols = t.shape
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=t.device)
-    scales = torch.empty(rows, triton.cdiv(cols, scale_k), dtype=torch.float32, device=t.device)
+    q = torch.empty(rows, cols, dtype=torch.bfloat16 if dequantize else torch.float8_e4m3fn, device=t.device)
+    scales = None if dequantize else torch.empty(rows, triton.cdiv(cols, scale_k), dtype=torch.float32,
+                                                 device=t.device)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(cols, COLS_PER_PROGRAM))
     quantize_rows_kernel[grid](
         t, q, scales, rows,
         COLS=cols, SCALE_K=scale_k, POWER_OF_TWO=power_of_two,
-        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, num_warps=4,
+        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, DEQUANTIZE=dequantize, num_warps=4,
     )
     return q, scales
 
@@ -153,19 +166,23 @@ def quantize_weight_blocks_kernel(
         tl.store(scales + (e * tl.cdiv(N, BLOCK_N) + nb) * tl.cdiv(K, BLOCK_K) + kb, scale)
 
 
-def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def quantize_weights(weights: list[torch.Tensor], fmt: Format,
+                     dequantize: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Expert weights ``[E, N, K]`` as ``(e4m3 values, scales [E, cdiv(N, bn), cdiv(K, bk)])``
     with ``(bn, bk)`` the format's weight block, bit for bit
-    ``reference.quantize_blocks(w, (bn, bk), power_of_two)``. On every call: the weights
-    may have changed since the last one."""
+    ``reference.quantize_blocks(w, (bn, bk), power_of_two)``; ``dequantize`` (1 x K
+    power-of-two blocks): ``(values in bf16, None)`` (``quantize_rows``). On every call:
+    the weights may have changed since the last one."""
     bn, bk = fmt.weight_block
+    if dequantize and bn != 1:
+        raise ValueError(f"dequantized weights need 1 x K blocks; {fmt.name} has {bn} x {bk}")
     quantized = []
     for w in weights:
         w = w.contiguous()
         experts, n, k = w.shape
         if bn == 1:  # blocks along K only: rows of the flattened weight
-            q, scales = quantize_rows(w.view(experts * n, k), bk, fmt.power_of_two)
-            quantized.append((q.view(experts, n, k), scales.view(experts, n, -1)))
+            q, scales = quantize_rows(w.view(experts * n, k), bk, fmt.power_of_two, dequantize)
+            quantized.append((q.view(experts, n, k), None if dequantize else scales.view(experts, n, -1)))
             continue
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(experts, triton.cdiv(n, bn), triton.cdiv(k, bk), dtype=torch.float32, device=w.device)
@@ -177,21 +194,25 @@ def quantize_weights(weights: list[torch.Tensor], fmt: Format) -> list[tuple[tor
     return quantized
 
 
-def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_block: int,
+                        dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The expert weights ``[E, N_i, K]`` transposed and side by side,
     ``t = cat([w.transpose(1, 2) for w in weights], dim=2)`` (``[E, K, sum N_i]``), quantized
     in the format's weight blocks: ``(e4m3 values, scales)``, bit for bit
     ``reference.quantize_blocks(t, fmt.weight_block, fmt.power_of_two)``. The backward's
     GEMMs read the weights K-major this way. Blocks of more than one row are quantized
     straight from ``weights`` (one read, one e4m3 write); rows of blocks (MX's 1 x 32) from
-    a transposed copy (``transpose_block``: its tile)."""
+    a transposed copy (``transpose_block``: its tile), and those may be ``dequantize``d
+    (``quantize_weights``)."""
     bn, bk = fmt.weight_block
     weights = [w.contiguous() for w in weights]
     experts, _, k = weights[0].shape
     cols = sum(w.shape[1] for w in weights)
     if bn == 1:
-        ((q, scales),) = quantize_weights([transposed_side_by_side(weights, transpose_block)], fmt)
+        ((q, scales),) = quantize_weights([transposed_side_by_side(weights, transpose_block)], fmt, dequantize)
         return q, scales
+    if dequantize:
+        raise ValueError(f"dequantized weights need 1 x K blocks; {fmt.name} has {bn} x {bk}")
     q = torch.empty(experts, k, cols, dtype=torch.float8_e4m3fn, device=weights[0].device)
     scales = torch.empty(experts, triton.cdiv(k, bn), triton.cdiv(cols, bk), dtype=torch.float32,
                          device=weights[0].device)

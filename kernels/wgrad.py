@@ -30,10 +30,17 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
     mask = live[:, None] & (cols[None, :] < COLS)
     v = tl.load(t + rows[:, None].to(tl.int64) * STRIDE + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if SCALE_K > 0:
-        # One scale per row: loaded as a vector, not gathered per element.
-        tl.static_assert(SCALE_K % BLOCK == 0, "a column block must lie in one scale block")
         SCALE_COLS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
-        v = v * tl.load(t_scales + rows.to(tl.int64) * SCALE_COLS + col0 // SCALE_K, mask=live, other=0.0)[:, None]
+        if SCALE_K % BLOCK == 0:
+            # One scale per row: loaded as a vector, not gathered per element.
+            v = v * tl.load(t_scales + rows.to(tl.int64) * SCALE_COLS + col0 // SCALE_K, mask=live, other=0.0)[:, None]
+        else:
+            tl.static_assert(BLOCK % SCALE_K == 0, "a column block must lie in one scale block or hold whole ones")
+            BLOCKS: tl.constexpr = BLOCK // SCALE_K
+            kb = col0 // SCALE_K + tl.arange(0, BLOCKS)
+            s_mask = live[:, None] & (kb[None, :] < SCALE_COLS)
+            s = tl.load(t_scales + rows[:, None].to(tl.int64) * SCALE_COLS + kb[None, :], mask=s_mask, other=0.0)
+            v = tl.reshape(tl.reshape(v, (v.shape[0], BLOCKS, SCALE_K)) * s[:, :, None], (v.shape[0], BLOCK))
     return v
 
 
@@ -88,7 +95,7 @@ def wgrad_kernel(
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
         a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n_cols, k_start, k_end, N, KT,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, SCALED_MMA, UPCAST_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, SCALED_MMA, False, UPCAST_DOT,
     )
     if SPLIT_M > 0:
         tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")

@@ -126,9 +126,9 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
 
     fshape = ForwardShape(ep=EP, rank=0, capacity_tokens_per_rank=TOKENS_PER_RANK, top_k=top_k,
                           local_experts=local, hidden=hidden, inter=inter, dtype=torch.bfloat16,
-                          row_format=precision.forward)
+                          row_format=precision.forward, native_resend=precision.backward_resends_native)
     buffers = ForwardBuffers(fshape, tiles, torch.device("cpu"), symmetric)
-    grad = GradBuffers(buffers, symmetric, precision.dgrad, grad_tiles)
+    grad = GradBuffers(buffers, symmetric, precision, grad_tiles)
     x = torch.randn(TOKENS_PER_RANK, hidden, dtype=torch.bfloat16)
     idx = torch.randint(0, layer.experts, (TOKENS_PER_RANK, top_k))
     scores = torch.rand(TOKENS_PER_RANK, top_k)

@@ -95,6 +95,7 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
         inter=w1.shape[1],
         dtype=x.dtype,
         row_format=settings.precision.forward,
+        native_resend=settings.precision.backward_resends_native,
     )
 
 
@@ -133,8 +134,7 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
     if id(buffers) not in _GRAD_BUFFERS:
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
         allocate = symm.allocator(group, buffers.recv.device, sized_for)
-        dgrad = settings.precision.dgrad
-        grad = GradBuffers(buffers, allocate, dgrad, _tiles(buffers.recv.device, dgrad))
+        grad = GradBuffers(buffers, allocate, settings.precision, _tiles(buffers.recv.device, settings.precision.dgrad))
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
             f"plus {per_call_bytes(buffers, grad) / 2**30:.2f} GiB per backward call"

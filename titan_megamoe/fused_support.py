@@ -24,7 +24,7 @@ SERVED_DTYPES = {
 AUTO_PRECISIONS = {
     "sm90": ("bf16", "fp8"),
     "sm100": (),
-    "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8"),
+    "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
@@ -79,10 +79,16 @@ def unsupported_reason(
     if target is None:
         rows = ", ".join(sorted({a for a, _ in TILE_CONFIGS} - {"interpret"}))
         return f"the tile table has no row for {described}; it has: {rows} (H100/H200, B200)"
-    if precision.dgrad != precision.wgrad or precision.forward not in (NATIVE, precision.dgrad):
+    one_backward_format = precision.wgrad == precision.dgrad and precision.forward in (NATIVE, precision.dgrad)
+    # Native weight gradients read the rows as they crossed: unquantized, which GEMM1 and
+    # ``dy W2`` then quantize as they read them (a scaled MMA's mainloop can).
+    native_wgrad = (precision.wgrad == NATIVE and precision.forward == precision.dgrad
+                    and precision.dgrad.scaled_mma)
+    if not (one_backward_format or native_wgrad):
         return (f"precision {precision.name!r} mixes formats (forward {precision.forward.name}, "
                 f"backward {precision.dgrad.name} / {precision.wgrad.name}); the fused kernels run one "
-                "format throughout, or a native forward with one backward format")
+                "format throughout, a native forward with one backward format, or MX with native "
+                "weight gradients")
     missing = sorted({f.name for f in precision.formats if (target, f.name) not in TILE_CONFIGS})
     if missing:
         return (f"precision {precision.name!r} needs {', '.join(missing)} GEMM kernels, which the "

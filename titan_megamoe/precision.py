@@ -79,6 +79,22 @@ class Precision:
         """Whether any GEMM family quantizes its operands."""
         return any(f.quantized for f in self.formats)
 
+    @property
+    def backward_link(self) -> tuple[Format, Format]:
+        """Formats the backward's expert-input rows and ``dy`` rows cross the link in: those
+        of the GEMMs that read them on arrival (GEMM1, ``dy W2``), quantized once at their
+        source; but native weight gradients read the same rows, so with those both cross
+        unquantized (and the GEMMs quantize them as they read them)."""
+        if self.wgrad.quantized:
+            return self.forward, self.dgrad
+        return NATIVE, NATIVE
+
+    @property
+    def backward_resends_native(self) -> bool:
+        """The backward sends the expert inputs unquantized where the forward sent them
+        quantized (``mxfp8_wgrad_bf16``)."""
+        return self.forward.quantized and not self.backward_link[0].quantized
+
 
 PRECISIONS: dict[str, Precision] = {
     p.name: p

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titan_megamoe.precision import E4M3_MAX, NATIVE, UE8M0_EXP_MAX, UE8M0_EXP_MIN, Format, Precision
+from titan_megamoe.precision import E4M3_MAX, UE8M0_EXP_MAX, UE8M0_EXP_MIN, Format, Precision
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius error ``|actual - expected| / |expected|``, the measure every
@@ -317,8 +317,7 @@ def moe_backward(
     token_of_row = layout.send_order // top_k
 
     # The formats the rows cross the link in (see the module docstring).
-    x_link = prec.forward if prec.wgrad.quantized else NATIVE
-    dy_link = prec.dgrad if prec.wgrad.quantized else NATIVE
+    x_link, dy_link = prec.backward_link
     expert_input = _expert_input(x, topk_w, layout, top_k, score_before_experts)
     recv_x = _dispatch(to_link(expert_input, x_link), layout, group)
     # What reaches each expert output row: its token's dy row, unscaled (so that a token's

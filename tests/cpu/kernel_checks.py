@@ -6,6 +6,8 @@ Import this module only where Triton may define kernels (under the interpreter, 
 a process started with ``TRITON_INTERPRET=1``).
 """
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,7 @@ def gemm_tile_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -33,13 +35,13 @@ def gemm_tile_kernel(
     if TWO_B:
         acc, acc2 = tile_gemm(
             a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, SCALED_MMA, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, SCALED_MMA, QUANTIZE_A, UPCAST_DOT,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
             a, a_scale, rows, b, b_scale, None, None, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, SCALED_MMA, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, SCALED_MMA, QUANTIZE_A, UPCAST_DOT,
         )
     tl.store(out + at, acc, mask=mask)
 
@@ -58,7 +60,9 @@ def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: Format,
                   block_m: int, block_n: int, block_k: int, **launch):
     """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
-    ``[E, N, K]``, scaled as ``fmt`` says; returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
+    ``[E, N, K]``, scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
+    mainloop quantizes it as it reads it; quantized ``b`` without ``b_scales``: bf16 values
+    already dequantized); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
     m, k = a.shape
     n = b.shape[1]
     m_pad = triton.cdiv(m, block_m) * block_m
@@ -69,8 +73,8 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         m, expert,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
-        B_SCALE_N=fmt.weight_block[0] if fmt.quantized else 0, SCALED_MMA=fmt.scaled_mma,
-        UPCAST_DOT=INTERPRET, **launch,
+        B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, SCALED_MMA=fmt.scaled_mma,
+        QUANTIZE_A=fmt.quantized and a_scales is None, UPCAST_DOT=INTERPRET, **launch,
     )
     return out, out2
 
@@ -100,21 +104,36 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
         quantized = [[quantize_blocks(w, fmt.weight_block, fmt.power_of_two) for w in b] for b in bs]
         qbs = [torch.stack([q for q, _ in per_expert]) for per_expert in quantized]
         sbs = [torch.stack([s for _, s in per_expert]) for per_expert in quantized]
-        a_ref = dequantize_blocks(qa, sa, fmt.activation_block).double()
-        expected = [a_ref @ dequantize_blocks(q[-1], s[-1], fmt.weight_block).double().T for q, s in zip(qbs, sbs)]
+        b_refs = [dequantize_blocks(q[-1], s[-1], fmt.weight_block).double() for q, s in zip(qbs, sbs)]
         on = [t.to(device) for t in (qa, sa, *qbs, *sbs)]
+        # (A, its scales, the dequantized A): quantized beforehand; and, for a scaled MMA,
+        # bf16 rows that the mainloop quantizes as it reads them.
+        a_forms = [(on[0], on[1], dequantize_blocks(qa, sa, fmt.activation_block).double())]
+        if fmt.scaled_mma:
+            a16 = a.to(torch.bfloat16)
+            a_forms.append((a16.to(device), None, dequantize_blocks(
+                *quantize_blocks(a16, fmt.activation_block, fmt.power_of_two), fmt.activation_block).double()))
         # Promotion steps inside a scale block; a scaled MMA over whole ones.
         fitting = [bk for bk in block_ks if (bk % scale_k if fmt.scaled_mma else scale_k % bk) == 0]
         assert fitting, (fmt.name, block_ks)
+        # B with its scales; for a scaled MMA also dequantized to bf16 (the same values).
+        b_forms = [(on[2], on[3], on[4], on[5])]
+        if fmt.scaled_mma:
+            dequantized = [torch.stack([dequantize_blocks(q, s, fmt.weight_block) for q, s in per_expert])
+                           for per_expert in quantized]
+            b_forms.append(tuple(d.to(torch.bfloat16).to(device) for d in dequantized) + (None, None))
         for block_k in fitting:
             for two_b in (False, True):
-                outs = run_tile_gemm(
-                    on[0], on[2], on[3] if two_b else None, on[1], on[4], on[5] if two_b else None,
-                    experts - 1, fmt, block_m, block_n, block_k, **launch,
-                )
-                for got, want in zip(outs[: 1 + two_b], expected):
-                    err = relative_error(got.cpu(), want)
-                    assert err <= tolerances[fmt.name], (fmt.name, m, n, k, block_k, two_b, err, f"seed {seed}")
+                for (a_in, a_scales, a_ref), (b, b2, b_scales, b2_scales) in itertools.product(a_forms, b_forms):
+                    outs = run_tile_gemm(
+                        a_in, b, b2 if two_b else None, a_scales, b_scales, b2_scales if two_b else None,
+                        experts - 1, fmt, block_m, block_n, block_k, **launch,
+                    )
+                    for got, b_ref in zip(outs[: 1 + two_b], b_refs):
+                        err = relative_error(got.cpu(), a_ref @ b_ref.T)
+                        case = (fmt.name, m, n, k, block_k, two_b, a_scales is None, b_scales is None, err,
+                                f"seed {seed}")
+                        assert err <= tolerances[fmt.name], case
 
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
@@ -220,3 +239,23 @@ def check_quantize_weights(device, seed: int) -> None:
         assert torch.equal(got, want), (fmt.name, "transposed e4m3", _first_difference(got, want), f"seed {seed}")
         got, want = scales.cpu().view(torch.int32), scales_ref.view(torch.int32)
         assert torch.equal(got, want), (fmt.name, "transposed scales", _first_difference(got, want), f"seed {seed}")
+        if fmt.scaled_mma:
+            # Dequantized to bf16, straight and transposed: the reference's values, exactly,
+            # wherever bf16 holds them (magnitudes from its smallest normal, 2^-126, up).
+            (values, no_scales), = quantize_weights([w.to(device)], fmt, dequantize=True)
+            assert no_scales is None and values.dtype == torch.bfloat16
+            want = dequantize_blocks(*quantize_blocks(w, fmt.weight_block, True), fmt.weight_block)
+            _assert_dequantized(values.cpu(), want, (fmt.name, "dequantized", f"seed {seed}"))
+            values, _ = quantize_transposed([p.to(device) for p in pair], fmt, transpose_block=32, dequantize=True)
+            want = dequantize_blocks(q_ref, scales_ref, fmt.weight_block)
+            _assert_dequantized(values.cpu(), want, (fmt.name, "transposed dequantized", f"seed {seed}"))
+
+
+def _assert_dequantized(got: torch.Tensor, want: torch.Tensor, case) -> None:
+    """bf16 ``got`` equals fp32 ``want`` wherever ``|want|`` is a normal bf16 magnitude, and
+    stays below that range elsewhere."""
+    tiny = torch.finfo(torch.bfloat16).tiny
+    normal = want.abs() >= tiny
+    assert normal.float().mean() > 0.2, case
+    assert torch.equal(got.float()[normal], want[normal]), case
+    assert (got.float()[~normal].abs() <= tiny).all(), case

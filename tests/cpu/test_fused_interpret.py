@@ -209,18 +209,20 @@ def _check_refusals(rank, world):
     """What the buffers cannot serve is refused before anything launches: more tokens than
     the capacity, no capacity with EP > 1, a precision that mixes formats, an intermediate
     size that does not hold whole fp8 scale blocks; and buffers that carry quantized rows."""
-    from titan_megamoe import fused
+    from titan_megamoe import fused, fused_support
     from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape
-    from titan_megamoe.precision import FP8_BLOCK
+    from titan_megamoe.precision import FP8_BLOCK, NATIVE, Precision
     from titan_megamoe.symm import VirtualGroup
 
     x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
     small = _settings().replace(capacity_tokens_per_rank=8)
     with pytest.raises(ValueError, match="9 tokens exceed capacity_tokens_per_rank = 8"):
         fused.moe_forward(x, idx, w, w1, w2, w3, None, False, small)
-    with pytest.raises(NotImplementedError, match="precision 'mxfp8_wgrad_bf16' mixes formats"):
-        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="mxfp8_wgrad_bf16"))
+    # No named precision mixes formats the kernels cannot run; an unnamed one is refused.
+    mixed = Precision("bf16_fp8_dgrad_bf16_wgrad", NATIVE, FP8_BLOCK, NATIVE)
+    reason = fused_support.unsupported_reason(x.device, x.dtype, mixed, ep_within_node=True)
+    assert reason is not None and "precision 'bf16_fp8_dgrad_bf16_wgrad' mixes formats" in reason
     with pytest.raises(NotImplementedError, match=f"intermediate size {INTER} is not a multiple of 128"):
         fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings(precision="fp8"))
     group = VirtualGroup(2, torch.device("cpu"))
@@ -326,19 +328,26 @@ def test_fused_backend_compiles_fullgraph(monkeypatch):
     run_ranks(_compiles_fullgraph, 1, timeout_s=600)
 
 
-def _quantized_matches_reference(rank, world, precision):
+def _quantized_matches_reference(rank, world, precision, dequantized_weights):
     """The quantized forward (rows quantized once at the source, scaled GEMM1, h quantized
     in its epilogue, scaled GEMM2; fp8_bwd: the bf16 forward) and backward (dy quantized once per token, GEMM1
     recomputed scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its
-    epilogue, scaled dgrad, weight gradients requantized along the tokens) against the
+    epilogue, scaled dgrad, weight gradients requantized along the tokens;
+    mxfp8_wgrad_bf16: x and dy resent unquantized, quantized as GEMM1 and ``dy W2`` read
+    them, bf16 weight gradients on the rows as they crossed) against the
     same-precision reference: the same quantized values, so only fp32 summation order
     (and an e4m3 rounding it may flip) separates them. fp32 activations: the interpreter
     rounds fp32 -> bf16 by truncation."""
+    import dataclasses
+
     from titan_megamoe import fused, reference
+    from titan_megamoe.kernels import configs
     from titan_megamoe.precision import get_precision
 
     hidden, inter, experts, top_k = 256, 256, 4, 2
     spec = get_precision(precision)
+    row = ("interpret", spec.forward.name)
+    configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], mx_dequantized_weights=dequantized_weights)
     # 150 skewed tokens: expert 0 receives all of them, more than one 128-token block.
     cases = ((24, "random", False, False), (17, "skewed", True, True), (150, "skewed", False, True),
              (1, "random", False, False))
@@ -359,7 +368,7 @@ def _quantized_matches_reference(rank, world, precision):
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
-        case = (precision, num_tokens, routing, score_before, save)
+        case = (precision, dequantized_weights, num_tokens, routing, score_before, save)
         assert torch.equal(counts, counts_ref), case
         for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
             assert torch.isfinite(got).all(), (case, name)
@@ -370,7 +379,10 @@ def _quantized_matches_reference(rank, world, precision):
                 assert worst < 3e-2, (case, name, worst)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8"])
-def test_quantized_matches_reference(precision, monkeypatch):
+# mxfp8_wgrad_bf16 with its weights dequantized to bf16 (only the rows scaled in the MMA);
+# mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms.
+@pytest.mark.parametrize("precision, dequantized_weights",
+                         [("fp8", 0), ("fp8_bwd", 0), ("mxfp8", 0), ("mxfp8_wgrad_bf16", 1)])
+def test_quantized_matches_reference(precision, dequantized_weights, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_quantized_matches_reference, 1, precision, timeout_s=900)
+    run_ranks(_quantized_matches_reference, 1, precision, dequantized_weights, timeout_s=900)

@@ -84,6 +84,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         # Precisions whose passes use two rows of one architecture read one receive layout.
         assert all(tiles.block_m == other.block_m for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
         fmt = FORMATS[fmt_name]
+        # Weights handed over dequantized feed a scaled MMA's bf16 B operand only.
+        assert not tiles.mx_dequantized_weights or fmt.scaled_mma, row
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]
