@@ -104,15 +104,17 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     hidden, inter = shape.hidden, shape.inter
     parts = triton.cdiv(inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * inter * hidden
+    scale_k = grad.grad_format.row_scale_k
+    scaled = 1 + 4 / scale_k if scale_k else 0  # e4m3 bytes plus fp32 scales, per element
+    # Quantized weights per element: e4m3 and scales, or bf16 where handed over dequantized.
+    weight_bytes = 2 if tiles.mx_dequantized_weights else scaled
     total = rows * 2 * inter * shape.dtype.itemsize + rows * 4 * parts
     if shape.row_scale_k:
-        total += rows * inter * shape.dtype.itemsize + 2 * weights // 3
-    scale_k = grad.grad_format.row_scale_k
+        total += rows * inter * shape.dtype.itemsize + int(2 * weights // 3 * weight_bytes)
     if not scale_k:
         return total + weights * shape.dtype.itemsize
-    scaled = 1 + 4 / scale_k  # e4m3 bytes plus fp32 scales, per element
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
-    through_dgrad = rows * 2 * inter + weights + dy_copy
+    through_dgrad = rows * 2 * inter + int(weights * weight_bytes / scaled) + dy_copy
     if not grad.wgrad_format.quantized:
         return total + int(through_dgrad * scaled)
     kt = _token_major_length(shape, tiles, grad.wgrad_format)

@@ -2,12 +2,15 @@
 MegaMoE, one process group, same weights, same inputs, random routing, EP = every rank.
 
     ./scripts/bench_layer.sh [--shapes 30B-A3B,235B-A22B] [--tokens 4096,16384]
-        [--variants stock,stock_compiled,stock_fp8,mega_moe] [--forward-only] [--backend auto]
+        [--variants stock,stock_compiled,stock_fp8,mega_moe_bf16,mega_moe] [--forward-only]
+        [--backend auto] [--precision bf16]
 
 ``stock_fp8``, run only when asked for, is the stock layer as a TorchTitan job with the
 ``quantize.grouped_mm.float8`` converter and compile runs it (torchao fp8 rowwise grouped
 GEMMs), the baseline of ``mega_moe --precision fp8``; it needs a GPU of compute
-capability 8.9 or more.
+capability 8.9 or more. ``mega_moe_bf16``, also only when asked for, is MegaMoE in bf16
+beside a quantized ``--precision``: the bar a quantized mega_moe is held to, in the same
+run.
 
 Started without torchrun (``bench_layer.sh``, or ``python scripts/bench_layer.py``), it
 checks its arguments, says what it will run and starts itself under torchrun: one rank
@@ -65,14 +68,18 @@ SHAPES = {
     "235B-A22B": LayerShape(hidden=4096, inter=1536, experts=128, top_k=8),
 }
 
-VARIANTS = ("stock", "stock_compiled", "stock_fp8", "mega_moe")
+VARIANTS = ("stock", "stock_compiled", "stock_fp8", "mega_moe_bf16", "mega_moe")
 """Stock TorchTitan eager (the reference every error is measured against), the same
 layer compiled as TorchTitan compiles MoE blocks, that compiled layer with TorchTitan's
-float8 grouped-MM converter on its routed experts, and MegaMoE."""
+float8 grouped-MM converter on its routed experts, MegaMoE in bf16, and MegaMoE in
+``--precision``."""
 
-LABELS = {"stock": "stock", "stock_compiled": "stock compiled", "stock_fp8": "stock fp8", "mega_moe": "mega"}
+MEGA_VARIANTS = ("mega_moe_bf16", "mega_moe")
 
-BASELINES = ("stock", "stock_compiled", "stock_fp8")
+LABELS = {"stock": "stock", "stock_compiled": "stock compiled", "stock_fp8": "stock fp8",
+          "mega_moe_bf16": "mega bf16", "mega_moe": "mega"}
+
+BASELINES = ("stock", "stock_compiled", "stock_fp8", "mega_moe_bf16")
 """The variants mega_moe's speedups are stated over."""
 
 FP8_CAPABILITY = (8, 9)
@@ -171,6 +178,9 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
         refusal = stock_fp8_refusal(device)
         if refusal:
             p.error(f"--variants: stock_fp8 {refusal}")
+    if "mega_moe_bf16" in args.variants and args.precision in ("auto", "bf16"):
+        p.error(f"--variants: mega_moe_bf16 sets a quantized --precision against bf16; with --precision "
+                f"{args.precision} mega_moe itself runs bf16")
     if device.type == "cpu":
         if "stock_compiled" in args.variants:
             p.error("--variants: stock_compiled needs a GPU (it compiles the grouped GEMM as TorchTitan does there)")
@@ -192,6 +202,9 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
             args.backend, device, COMPUTE_DTYPE[device.type], get_precision(args.precision_name),
             ep_within_node=not args.ep_spans_nodes,
         )
+        # mega_moe_bf16's own backend: what the same request resolves to in bf16.
+        args.bf16_backend, _ = resolve_backend(args.backend, device, COMPUTE_DTYPE[device.type],
+                                               get_precision("bf16"), ep_within_node=not args.ep_spans_nodes)
     except NotImplementedError as error:
         p.error(f"--backend {args.backend}: {error}")
     return args, note
@@ -257,10 +270,10 @@ class Timer:
         return (end - start) * 1e3
 
 
-def build_layers(shape: LayerShape, variants, device, dtype, ep_mesh, settings) -> dict:
+def build_layers(shape: LayerShape, variants, device, dtype, ep_mesh, settings: dict) -> dict:
     """The asked-for variants, each its own layer with the same weights: stock MoE under
     ExpertParallel (compiled for ``stock_compiled``; converted to fp8, then compiled, for
-    ``stock_fp8``), MegaMoE under MegaExpertParallel."""
+    ``stock_fp8``), MegaMoE under MegaExpertParallel with ``settings[variant]``."""
     from torchtitan.distributed.expert_parallel import ExpertParallel
     from torchtitan.models.moe import MoE, MoEArgs
 
@@ -282,13 +295,13 @@ def build_layers(shape: LayerShape, variants, device, dtype, ep_mesh, settings) 
         # Weights in the compute dtype; the load-balance counters stay fp32.
         layer.experts.to(dtype)
         layer.router.to(dtype)
-        if name == "mega_moe":
-            layer = MegaMoE(layer, settings)
+        if name in MEGA_VARIANTS:
+            layer = MegaMoE(layer, settings[name])
         if name == "stock_fp8":
             # Before ExpertParallel, as TorchTitan converts the model before parallelizing it.
             convert_like_torchtitan_fp8(layer, ep_degree=1 if ep_mesh is None else ep_mesh.size())
         if ep_mesh is not None:
-            plan = MegaExpertParallel() if name == "mega_moe" else ExpertParallel()
+            plan = MegaExpertParallel() if name in MEGA_VARIANTS else ExpertParallel()
             parallelize_module(layer.experts, ep_mesh, plan)
         if name in ("stock_compiled", "stock_fp8"):
             compile_like_torchtitan(layer, ep=ep_mesh is not None)
@@ -483,10 +496,11 @@ def times_text(result, forward_only) -> str:
 def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say):
     """One (shape, tokens) row: every variant on the same inputs."""
     shape = SHAPES[shape_name]
-    if "mega_moe" in layers:
-        # The fused backend sizes its buffers for the row's tokens per rank.
-        experts = layers["mega_moe"].experts
-        experts.settings = experts.settings.replace(capacity_tokens_per_rank=tokens)
+    for name in MEGA_VARIANTS:
+        if name in layers:
+            # The fused backend sizes its buffers for the row's tokens per rank.
+            experts = layers[name].experts
+            experts.settings = experts.settings.replace(capacity_tokens_per_rank=tokens)
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     x = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
     dy = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
@@ -500,13 +514,14 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
         say(f"{prefix} started ({args.warmup} warmup + {args.iters} iterations)")
         start = time.perf_counter()
         result, y, grads = measure(layer, x, dy, args, device, timer)
-        if name == "mega_moe" and "peak_memory_gib" in result:
+        if name in MEGA_VARIANTS and "peak_memory_gib" in result:
             # The fused backend's symmetric buffers live outside PyTorch's caching
             # allocator, so max_memory_allocated does not see them: add them. (Imported
             # here: it loads Triton, which only GPU runs of the fused backend need.)
             from titan_megamoe import fused
 
-            held = fused.symmetric_bytes(capacity_tokens_per_rank=tokens, hidden=shape.hidden)
+            held = fused.symmetric_bytes(layer.experts.settings.precision.name,
+                                         capacity_tokens_per_rank=tokens, hidden=shape.hidden)
             result["symmetric_memory_gib"] = held / 2**30
             result["peak_memory_gib"] += result["symmetric_memory_gib"]
         add_rates(result, fwd_flops, peak)
@@ -578,7 +593,7 @@ def table_columns(rows, meta) -> list[tuple[str, list[str | None]]]:
             columns.append(("mega fwd TFLOP/s", rates))
     columns += [(f"{LABELS[v]} peak GiB", [_fmt(_get(r, v, "peak_memory_gib")) for r in rows]) for v in VARIANTS]
     keys = ("y",) if meta["forward_only"] else ("y", "dx", "dgate", "dw1", "dw2", "dw3")
-    for v in ("stock_fp8", "mega_moe"):
+    for v in ("stock_fp8", "mega_moe_bf16", "mega_moe"):
         errors = []
         for r in rows:
             measured = _get(r, v, "rel_err_vs_stock")
@@ -677,6 +692,7 @@ def run(args, device, note) -> None:
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
                                 comm_sms=args.comm_sms, save_gemm1=args.save_gemm1)
+    settings = {"mega_moe": settings, "mega_moe_bf16": settings.replace(precision="bf16", backend=args.bf16_backend)}
     timer = Timer(device)
     meta["matmul_peak_tflops"] = matmul_peak_tflops(device)
 

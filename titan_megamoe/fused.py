@@ -191,12 +191,13 @@ def _start_reporting() -> None:
     threading.Thread(target=poll, name="mega_moe-failure-report", daemon=True).start()
 
 
-def symmetric_bytes(**shape_fields) -> int:
+def symmetric_bytes(precision: str, **shape_fields) -> int:
     """Bytes of the symmetric buffers this process holds (outside PyTorch's caching
-    allocator) for shapes whose ``ForwardShape`` fields equal ``shape_fields``."""
+    allocator) for ``precision`` (a name) and shapes whose ``ForwardShape`` fields equal
+    ``shape_fields``."""
     total = 0
-    for buffers in _BUFFERS.values():
-        if all(getattr(buffers.shape, k) == v for k, v in shape_fields.items()):
+    for key, buffers in _BUFFERS.items():
+        if key[3] == precision and all(getattr(buffers.shape, k) == v for k, v in shape_fields.items()):
             total += buffers.symmetric_bytes
             grad = _GRAD_BUFFERS.get(id(buffers))
             total += 0 if grad is None else grad.symmetric_bytes

@@ -86,8 +86,9 @@ def _check_against_reference(rank, world, dtype, tolerance):
     (buffers,) = fused._BUFFERS.values()
     (grad,) = fused._GRAD_BUFFERS.values()
     held = buffers.symmetric_bytes + grad.symmetric_bytes
-    assert fused.symmetric_bytes(capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == held
-    assert fused.symmetric_bytes(capacity_tokens_per_rank=CAPACITY + 1) == 0
+    assert fused.symmetric_bytes("bf16", capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == held
+    assert fused.symmetric_bytes("bf16", capacity_tokens_per_rank=CAPACITY + 1) == 0
+    assert fused.symmetric_bytes("fp8", capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == 0
     bm = buffers.tiles.block_m
     base, rows = buffers.local_base.tolist(), buffers.local_rows.tolist()
     assert all(b % bm == 0 for b in base)

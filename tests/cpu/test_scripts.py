@@ -55,6 +55,8 @@ profile_layer = load_script("profile_layer")
         (["--variants", "stock,stock_compiled"], ["--variants", "stock_compiled needs a GPU"]),
         (["--variants", "stock,stock_fp8,mega_moe"],
          ["--variants", "stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9", "none is visible here"]),
+        (["--variants", "mega_moe_bf16,mega_moe"],
+         ["--variants: mega_moe_bf16 sets a quantized --precision against bf16", "--precision bf16"]),
     ],
 )
 def test_bench_layer_bad_arguments_name_the_value(argv, named, capsys):
@@ -210,7 +212,8 @@ def assert_no_empty_column(markdown: str) -> list[str]:
 @pytest.mark.parametrize("forward_only", [False, True])
 @pytest.mark.parametrize(
     "variants",
-    [("stock", "mega_moe"), ("stock",), ("mega_moe",), ("stock", "stock_fp8"), ("stock", "stock_fp8", "mega_moe")],
+    [("stock", "mega_moe"), ("stock",), ("mega_moe",), ("stock", "stock_fp8"), ("stock", "stock_fp8", "mega_moe"),
+     ("stock", "mega_moe_bf16", "mega_moe")],
 )
 def test_markdown_has_no_empty_columns(forward_only, variants):
     markdown = bench_layer.markdown(_cpu_rows(forward_only, variants), _meta(forward_only, variants))
@@ -219,6 +222,7 @@ def test_markdown_has_no_empty_columns(forward_only, variants):
     assert any("bwd" in h for h in header) is not forward_only
     assert any("fp8" in h for h in header) is ("stock_fp8" in variants)
     assert any("speedup vs stock fp8" in h for h in header) is ("stock_fp8" in variants and "mega_moe" in variants)
+    assert any("speedup vs mega bf16" in h for h in header) is ("mega_moe_bf16" in variants)
 
 
 def test_table_states_mega_over_stock_fp8_and_its_error():
