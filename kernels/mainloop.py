@@ -18,7 +18,8 @@ K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
 - ``SCALED_MMA`` (mxfp8, power-of-two scales): the scales go into the MMA itself,
   ``acc = dot_scaled(a, sa, b, sb, acc)`` with the scales as UE8M0 exponents. Native MX
   MMA on Blackwell; on Hopper Triton multiplies the e4m3 tiles by their scales in bf16
-  (exact: a power of two times an e4m3 value is a bf16 value) and runs a bf16 MMA.
+  (exact from bf16's smallest normal, 2^-126, up: a power of two times an e4m3 value is
+  a bf16 value there) and runs a bf16 MMA.
   With ``QUANTIZE_A``, A arrives unquantized (rows that crossed the link in the
   activation dtype) and each tile is quantized as it is read, exactly as the reference
   quantizes such a row (``quantize_tile``). With ``B_SCALE_N`` 0, B holds weights
@@ -51,13 +52,14 @@ def tile_gemm(
 
     ``rows``: BLOCK_M row indices, every one readable (rows past the caller's end are
     computed, not masked); ``cols``: BLOCK_N indices into N, those ``>= N`` masked.
-    ``k_start``, ``k_end``: multiples of the K step (``SCALE_K``, or ``BLOCK_K`` unscaled),
-    ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
+    ``k_start``, ``k_end``: multiples of the K step (``SCALE_K`` when promoting, else
+    ``BLOCK_K``), ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
     ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``SCALED_MMA``,
-    which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A`` (``SCALED_MMA`` only): ``a`` holds
-    unquantized rows, ``a_scale`` is unused (None). ``UPCAST_DOT``: operands go to the dot
-    in fp32 (the Triton interpreter computes bf16 dots wrongly).
+    which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A``
+    (``SCALED_MMA`` only): ``a`` holds unquantized rows, ``a_scale`` is unused (None).
+    ``UPCAST_DOT``: operands go to the dot in fp32 (the Triton interpreter computes bf16
+    dots wrongly).
     """
     PROMOTE: tl.constexpr = (SCALE_K > 0) & (not SCALED_MMA)
     if PROMOTE:
