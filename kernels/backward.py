@@ -114,12 +114,12 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     if not scale_k:
         return total + weights * shape.dtype.itemsize
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
-    through_dgrad = rows * 2 * inter + int(weights * weight_bytes / scaled) + dy_copy
+    through_dgrad = (rows * 2 * inter + dy_copy) * scaled + weights * weight_bytes
     if not grad.wgrad_format.quantized:
-        return total + int(through_dgrad * scaled)
+        return total + int(through_dgrad)
     kt = _token_major_length(shape, tiles, grad.wgrad_format)
     token_major = kt * max(hidden + inter, 2 * inter + hidden)
-    return total + int(max(through_dgrad, shape.capacity_tokens_per_rank * hidden + token_major) * scaled)
+    return total + int(max(through_dgrad, (shape.capacity_tokens_per_rank * hidden + token_major) * scaled))
 
 
 def _token_span(tiles: TileConfig, fmt: Format) -> int:

@@ -175,12 +175,9 @@ def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch
 
 def weight_scale_rows(fmt: Format, tiles: TileConfig) -> int:
     """Rows of a weight scale block as the GEMM kernels take it (``W_SCALE_N``): the
-    format's, or 0 where the weights are handed over dequantized (``mx_dequantized_weights``)."""
-    if tiles.mx_dequantized_weights:
-        if not fmt.scaled_mma:
-            raise ValueError(f"mx_dequantized_weights = 1 needs a scaled-MMA format; {fmt.name} is not one")
-        return 0
-    return fmt.weight_block[0]
+    format's, or 0 where the weights are handed over dequantized (``mx_dequantized_weights``,
+    which ``quantize_weights`` refuses for other than 1 x K blocks)."""
+    return 0 if tiles.mx_dequantized_weights else fmt.weight_block[0]
 
 
 def pad(n: int) -> int:
