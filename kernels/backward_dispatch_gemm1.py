@@ -56,13 +56,13 @@ def dispatch_grad_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    SCALED_MMA: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
     """``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
     forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
     quantized, ``dy W2`` is scaled, and ``[da | db]`` is also stored quantized for the
     dgrad GEMM (``dab_q``, ``dab_scales``, after rounding to ``ACT_DTYPE``); weights are
-    e4m3 with one scale per ``W_SCALE_N x`` scale-width block (``SCALED_MMA``: ``tile_gemm``).
+    e4m3 with one scale per ``W_SCALE_N x`` scale-width block (``MX_DOT``: ``tile_gemm``).
     ``QUANTIZE_ON_READ`` (native weight gradients, which read the rows as they crossed):
     the expert inputs and ``dy`` cross in the activation dtype, and the scaled GEMMs
     quantize them as they read them. ``ZERO_PADDING``: zero the received rows past each
@@ -103,7 +103,7 @@ def dispatch_grad_gemm1_kernel(
         live = rows < end
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
-                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, SCALED_MMA, QUANTIZE_ON_READ)
+                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -112,7 +112,7 @@ def dispatch_grad_gemm1_kernel(
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, 0, HIDDEN, INTER, HIDDEN,
-            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, SCALED_MMA, QUANTIZE_ON_READ, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ, UPCAST_DOT,
         )
 
         sig = tl.sigmoid(g)

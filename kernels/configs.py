@@ -79,13 +79,17 @@ class TileConfig:
     bf16 once per call, and the GEMMs scale only their A operand (``tl.dot_scaled`` with a
     bf16 B: same values); where the MMA has no MX form (Hopper) this spares converting a
     weight tile per K step. 0: the weights stay e4m3 with their scales."""
+    mx_upcast: int = 0
+    """Scaled-MMA formats (mxfp8) only. 1: the mainloop multiplies each e4m3 tile by its
+    scales into bf16 itself and runs a bf16 dot (for GPUs without an MX MMA); 0: it hands
+    tiles and scales to ``tl.dot_scaled`` (native MX MMA, or Triton's emulation)."""
 
     def __post_init__(self):
         for name in ("gemm1_m", "grad1_m"):
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
-        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights"):
+        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
 
@@ -125,12 +129,14 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
-    # MXFP8 on H100/H200: Hopper has no MX MMA, so Triton multiplies each e4m3 tile by its
-    # power-of-two scales into bf16 and runs a bf16 MMA: no partial products, tiles as
-    # the bf16 row's with K steps of two scale blocks (64); token-major copies 64 columns
-    # wide, as fp8's. Compiled, not yet measured (docs/perf.md v14).
+    # MXFP8 on H100/H200: Hopper has no MX MMA, so the mainloop multiplies each e4m3 tile
+    # by its power-of-two scales into bf16 and runs a bf16 MMA, with the weights
+    # dequantized to bf16 once per call so that only the rows are converted per K step
+    # (fwd+bwd 35.2 ms with Triton's dot_scaled emulation, 27.5 upcasting both operands,
+    # 24.7 upcasting the rows only: docs/perf.md v15). Tiles as the bf16 row's with K
+    # steps of two scale blocks (64); token-major copies 64 columns wide, as fp8's.
     ("sm90", "mxfp8"): TileConfig(
-        block_m=128,
+        block_m=128, mx_upcast=1, mx_dequantized_weights=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,

@@ -164,7 +164,7 @@ def dispatch_gemm1_kernel(
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr, POWER_OF_TWO: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
@@ -173,7 +173,7 @@ def dispatch_gemm1_kernel(
 
     ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
     ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``
-    block (``SCALED_MMA``: see ``tile_gemm``), and ``h`` is stored quantized for GEMM2, one scale per SCALE_K columns into
+    block (``MX_DOT``: see ``tile_gemm``), and ``h`` is stored quantized for GEMM2, one scale per SCALE_K columns into
     ``h_scales``, after rounding to the activation dtype ``ACT_DTYPE`` as the reference
     rounds it."""
     pid = tl.program_id(0)
@@ -205,7 +205,7 @@ def dispatch_gemm1_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
-                       TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, SCALED_MMA, False)
+                       TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
         if SCALE_K == 0:
@@ -229,12 +229,12 @@ def gate_up(
     recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    SCALED_MMA: tl.constexpr, QUANTIZE_A: tl.constexpr,
+    MX_DOT: tl.constexpr, QUANTIZE_A: tl.constexpr,
 ):
     """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``, in one
     mainloop (both weights share each tile of ``x``); scaled when ``SCALE_K`` > 0, the rows
     quantized as they are read with ``QUANTIZE_A`` (``tile_gemm``)."""
     return tile_gemm(
         recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, cols, 0, HIDDEN, INTER, HIDDEN,
-        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, SCALED_MMA, QUANTIZE_A, UPCAST_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
     )

@@ -19,6 +19,7 @@ from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
 from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
 from titan_megamoe.kernels.layout import layout_kernel
+from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import STATE_WORDS, STATUS_WORDS, FlagLayout
 from titan_megamoe.precision import NATIVE, Format
@@ -327,7 +328,7 @@ def fused_forward(
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
-        W_SCALE_N=weight_scale_rows(fmt, tiles), SCALED_MMA=fmt.scaled_mma, POWER_OF_TWO=fmt.power_of_two,
+        W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles), POWER_OF_TWO=fmt.power_of_two,
         ACT_DTYPE=TRITON_DTYPES[x.dtype],
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
@@ -339,7 +340,7 @@ def fused_forward(
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), SCALED_MMA=fmt.scaled_mma,
+        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles),
         OVERLAP=bool(tiles.gemm2_overlap),
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )

@@ -49,7 +49,7 @@ def rows_gemm_combine_kernel(
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    SCALED_MMA: tl.constexpr, OVERLAP: tl.constexpr,
+    MX_DOT: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
     e4m3, scaled as ``tile_gemm`` describes. ``OVERLAP``: flatten the tile loop into the K
@@ -72,7 +72,7 @@ def rows_gemm_combine_kernel(
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, None, None, le, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, SCALED_MMA, False, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT,
         )
 
         live = rows < end

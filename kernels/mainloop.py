@@ -15,21 +15,35 @@ K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
 - promotion (blockwise fp8): Hopper's MMA has no block scaling, so each scale block's
   partial product is accumulated on its own and promoted once into the fp32
   accumulator, ``acc += dot(a, b) * sa[:, None] * sb[None, :]`` (DeepSeek-V3's);
-- ``SCALED_MMA`` (mxfp8, power-of-two scales): the scales go into the MMA itself,
-  ``acc = dot_scaled(a, sa, b, sb, acc)`` with the scales as UE8M0 exponents. Native MX
-  MMA on Blackwell; on Hopper Triton multiplies the e4m3 tiles by their scales in bf16
-  (exact from bf16's smallest normal, 2^-126, up: a power of two times an e4m3 value is
-  a bf16 value there) and runs a bf16 MMA.
+- MX (mxfp8, power-of-two scales, ``MX_DOT``): with ``MX_SCALED_DOT`` the scales go into
+  the MMA itself, ``acc = dot_scaled(a, sa, b, sb, acc)`` with the scales as UE8M0
+  exponents: native MX MMA on Blackwell, Triton's emulation on Hopper. With
+  ``MX_UPCAST_DOT`` the mainloop multiplies each e4m3 tile by its scales into bf16 itself
+  and runs a bf16 dot (Hopper has no MX MMA). Both are exact from bf16's smallest normal,
+  2^-126, up: a power of two times an e4m3 value is a bf16 value there.
   With ``QUANTIZE_A``, A arrives unquantized (rows that crossed the link in the
   activation dtype) and each tile is quantized as it is read, exactly as the reference
   quantizes such a row (``quantize_tile``). With ``B_SCALE_N`` 0, B holds weights
-  already dequantized to bf16 (the same values), so only A is scaled in the MMA.
+  already dequantized to bf16 (the same values), so only A is scaled.
 """
 
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.configs import TileConfig
 from titan_megamoe.kernels.quantize import quantize_tile
+from titan_megamoe.precision import Format
+
+MX_SCALED_DOT = tl.constexpr(1)
+MX_UPCAST_DOT = tl.constexpr(2)
+"""``MX_DOT`` values (0: not an MX format)."""
+
+
+def mx_dot(fmt: Format, tiles: TileConfig) -> int:
+    """``MX_DOT`` for GEMMs over ``fmt`` operands with ``tiles`` (``mx_upcast``)."""
+    if not fmt.scaled_mma:
+        return 0
+    return (MX_UPCAST_DOT if tiles.mx_upcast else MX_SCALED_DOT).value
 
 
 @triton.jit
@@ -40,11 +54,30 @@ def _ue8m0(scale):
 
 
 @triton.jit
+def _upcast_rows(x, scale, SCALE_K: tl.constexpr):
+    """e4m3 ``x [R, C]`` times its power-of-two ``scale [R, C // SCALE_K]``, in bf16 (the
+    product formed in fp32, which the Triton interpreter also computes right)."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x.to(tl.float32), (R, C // SCALE_K, SCALE_K))
+    return tl.reshape(blocks * scale[:, :, None], (R, C)).to(tl.bfloat16)
+
+
+@triton.jit
+def _upcast_cols(x, scale, SCALE_K: tl.constexpr):
+    """e4m3 ``x [C, N]`` (K along C) times its power-of-two ``scale [N, C // SCALE_K]``, in bf16."""
+    C: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x.to(tl.float32), (C // SCALE_K, SCALE_K, N))
+    return tl.reshape(blocks * tl.trans(scale)[:, None, :], (C, N)).to(tl.bfloat16)
+
+
+@triton.jit
 def tile_gemm(
     a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, k_start, k_end,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
     QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
@@ -55,20 +88,20 @@ def tile_gemm(
     ``k_start``, ``k_end``: multiples of the K step (``SCALE_K`` when promoting, else
     ``BLOCK_K``), ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
-    ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``SCALED_MMA``,
+    ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``MX_DOT``,
     which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A``
-    (``SCALED_MMA`` only): ``a`` holds unquantized rows, ``a_scale`` is unused (None).
+    (MX only): ``a`` holds unquantized rows, ``a_scale`` is unused (None).
     ``UPCAST_DOT``: operands go to the dot in fp32 (the Triton interpreter computes bf16
     dots wrongly).
     """
-    PROMOTE: tl.constexpr = (SCALE_K > 0) & (not SCALED_MMA)
+    PROMOTE: tl.constexpr = (SCALE_K > 0) & (not MX_DOT)
     if PROMOTE:
         tl.static_assert(SCALE_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_K")
-    if SCALED_MMA:
-        tl.static_assert(SCALE_K > 0, "a scaled MMA needs scales")
-        tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "a scaled MMA takes whole 1 x SCALE_K blocks")
+    if MX_DOT:
+        tl.static_assert(SCALE_K > 0, "an MX dot needs scales")
+        tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "an MX dot takes whole 1 x SCALE_K blocks")
     else:
-        tl.static_assert(not QUANTIZE_A, "A is quantized on read only for a scaled MMA")
+        tl.static_assert(not QUANTIZE_A, "A is quantized on read only for an MX dot")
     # One pass of the K loop covers a scale block when promoting, else one BLOCK_K step.
     STEP: tl.constexpr = SCALE_K if PROMOTE else BLOCK_K
     ks = tl.arange(0, BLOCK_K)
@@ -92,7 +125,7 @@ def tile_gemm(
             sb_ptrs = b_scale + sb_offsets
             if TWO_B:
                 sb2_ptrs = b2_scale + sb_offsets
-        if SCALED_MMA:
+        if MX_DOT:
             # [rows, scale blocks of one K step] and [cols, scale blocks of one K step].
             step_blocks = tl.arange(0, BLOCK_K // SCALE_K)
             if not QUANTIZE_A:
@@ -103,7 +136,7 @@ def tile_gemm(
                     sb2_ptrs = sb2_ptrs[:, None] + step_blocks[None, :]
 
     for k0 in range(k_start, k_end, STEP):
-        if SCALED_MMA:
+        if MX_DOT:
             k_ok = (k0 + ks < K) | (K % BLOCK_K == 0)
             b_mask = col_ok[None, :] & k_ok[:, None]
             kb = k0 // SCALE_K
@@ -113,23 +146,37 @@ def tile_gemm(
             if QUANTIZE_A:
                 # Columns past K read as 0: a partial last block quantizes as the
                 # reference's zero-padded one.
-                x, sa_values = quantize_tile(x.to(tl.float32), SCALE_K, True)
-                sx = _ue8m0(sa_values)
+                x, sx = quantize_tile(x.to(tl.float32), SCALE_K, True)
             else:
-                sx = _ue8m0(tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0))
+                sx = tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0)
             y = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
             if TWO_B:
                 y2 = tl.load(b2_ptrs + k0, mask=b_mask, other=0.0)
             if B_SCALE_N > 0:
-                sy = _ue8m0(tl.load(sb_ptrs + kb, mask=sb_mask, other=1.0))
-                acc = tl.dot_scaled(x, sx, "e4m3", y, sy, "e4m3", acc=acc)
+                sy = tl.load(sb_ptrs + kb, mask=sb_mask, other=1.0)
                 if TWO_B:
-                    sy2 = _ue8m0(tl.load(sb2_ptrs + kb, mask=sb_mask, other=1.0))
-                    acc2 = tl.dot_scaled(x, sx, "e4m3", y2, sy2, "e4m3", acc=acc2)
+                    sy2 = tl.load(sb2_ptrs + kb, mask=sb_mask, other=1.0)
+            if MX_DOT == MX_UPCAST_DOT:
+                x = _upcast_rows(x, sx, SCALE_K)
+                if B_SCALE_N > 0:
+                    y = _upcast_cols(y, sy, SCALE_K)
+                    if TWO_B:
+                        y2 = _upcast_cols(y2, sy2, SCALE_K)
+                if UPCAST_DOT:
+                    x, y = x.to(tl.float32), y.to(tl.float32)
+                    if TWO_B:
+                        y2 = y2.to(tl.float32)
+                acc = tl.dot(x, y, acc)
+                if TWO_B:
+                    acc2 = tl.dot(x, y2, acc2)
+            elif B_SCALE_N > 0:
+                acc = tl.dot_scaled(x, _ue8m0(sx), "e4m3", y, _ue8m0(sy), "e4m3", acc=acc)
+                if TWO_B:
+                    acc2 = tl.dot_scaled(x, _ue8m0(sx), "e4m3", y2, _ue8m0(sy2), "e4m3", acc=acc2)
             else:
-                acc = tl.dot_scaled(x, sx, "e4m3", y, None, "bf16", acc=acc)
+                acc = tl.dot_scaled(x, _ue8m0(sx), "e4m3", y, None, "bf16", acc=acc)
                 if TWO_B:
-                    acc2 = tl.dot_scaled(x, sx, "e4m3", y2, None, "bf16", acc=acc2)
+                    acc2 = tl.dot_scaled(x, _ue8m0(sx), "e4m3", y2, None, "bf16", acc=acc2)
         else:
             # Promoted: this scale block's partial product, promoted below. Unscaled: the
             # accumulator itself, so the loop is the plain ``acc = dot(a, b, acc)``.

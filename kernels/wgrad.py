@@ -78,7 +78,7 @@ def token_major_kernel(
 def wgrad_kernel(
     a, a_scales, b, b_scales, out, out2, block_start,
     M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr, KT: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED_MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """``[experts, M, N]`` (the outputs' dtype) ``= A_e^T B_e`` from the token-major copies
@@ -95,7 +95,7 @@ def wgrad_kernel(
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
         a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n_cols, k_start, k_end, N, KT,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, SCALED_MMA, False, UPCAST_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, MX_DOT, False, UPCAST_DOT,
     )
     if SPLIT_M > 0:
         tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")

@@ -29,17 +29,16 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from titan_megamoe.fused_support import describe_mma
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
-from titan_megamoe.precision import get_precision
+from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_layer import matmul_peak_tflops  # noqa: E402  (the bench's peak, measured the same way)
 
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
-ARCH = "sm90"
-"""The tile table's architecture profiled: H100/H200."""
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
 
@@ -121,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated values to compare (0: the operator's default, as the bench runs it)")
     p.add_argument("--tiles", type=tile_changes, nargs="*", default=[{}],
                    help='tile-table variants: field=value,... ("" for the table as is)')
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--precision", default="bf16", choices=[c for c in PRECISION_CHOICES if c != "auto"],
                    help="the operator's precision; --tiles edit the row of its format")
     p.add_argument("--backward", action="store_true", help="forward + backward per call")
     p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
@@ -143,14 +142,19 @@ def main():
     x = x.requires_grad_(args.backward)
     dy = torch.randn_like(x)
     results = {}
-    quantized = args.precision != "bf16"
+    precision = get_precision(args.precision)
+    arch = configs.arch_of(torch.cuda.get_device_capability())
+    if arch is None:
+        sys.exit(f"profile_layer: the tile table has no row for GPU {torch.cuda.get_device_name()}")
+    # The ceiling is the MMA the kernels issue: Hopper runs MX tiles through a bf16 MMA.
+    fp8_mma = precision.forward.quantized and not (precision.forward.scaled_mma and arch == "sm90")
     try:
-        peak = matmul_peak_tflops(torch.device("cuda"), fp8=quantized)
+        peak = matmul_peak_tflops(torch.device("cuda"), fp8=fp8_mma)
     except RuntimeError as error:  # the table then goes without shares, and says why
         peak = None
         print(f"profile_layer: the {args.precision} matmul peak could not be measured: {error}", file=sys.stderr)
     rows = 0
-    row = (ARCH, get_precision(args.precision).forward.name)
+    row = (arch, precision.forward.name)
     table = configs.TILE_CONFIGS[row]
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
     for comm_sms, changes in variants:
@@ -192,7 +196,8 @@ def main():
         hidden, inter, _, _ = SHAPES[args.shape]
         flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
-        print(f"{rows} rows received on rank 0; {args.precision} matmul peak "
+        print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
+        print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "
               + (f"{peak:.0f} TFLOP/s, expert-GEMM roofline {roofline:.3f} ms per call" if peak else "not measured"))
         for label, r in results.items():
             what = "forward + backward" if args.backward else "forward"

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
-from titan_megamoe.kernels.mainloop import tile_gemm
+from titan_megamoe.kernels.mainloop import MX_SCALED_DOT, MX_UPCAST_DOT, tile_gemm
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Format
 from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
@@ -24,7 +24,7 @@ def gemm_tile_kernel(
     a, a_scale, b, b_scale, b2, b2_scale, out, out2, num_rows, expert,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, SCALED_MMA: tl.constexpr,
+    TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
     QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
@@ -35,13 +35,13 @@ def gemm_tile_kernel(
     if TWO_B:
         acc, acc2 = tile_gemm(
             a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, SCALED_MMA, QUANTIZE_A, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
             a, a_scale, rows, b, b_scale, None, None, expert, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, SCALED_MMA, QUANTIZE_A, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
         )
     tl.store(out + at, acc, mask=mask)
 
@@ -58,13 +58,15 @@ def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: Format,
-                  block_m: int, block_n: int, block_k: int, **launch):
+                  block_m: int, block_n: int, block_k: int, mx_upcast: bool = False, **launch):
     """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
     ``[E, N, K]``, scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
     mainloop quantizes it as it reads it; quantized ``b`` without ``b_scales``: bf16 values
-    already dequantized); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
+    already dequantized; ``mx_upcast``: MX tiles upcast in the mainloop, not handed to
+    ``tl.dot_scaled``); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
     m, k = a.shape
     n = b.shape[1]
+    mx = (MX_UPCAST_DOT if mx_upcast else MX_SCALED_DOT).value if fmt.scaled_mma else 0
     m_pad = triton.cdiv(m, block_m) * block_m
     out = torch.full((m, n), float("nan"), device=a.device)
     out2 = None if b2 is None else torch.full_like(out, float("nan"))
@@ -73,7 +75,7 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         m, expert,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
-        B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, SCALED_MMA=fmt.scaled_mma,
+        B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx,
         QUANTIZE_A=fmt.quantized and a_scales is None, UPCAST_DOT=INTERPRET, **launch,
     )
     return out, out2
@@ -122,17 +124,19 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
             dequantized = [torch.stack([dequantize_blocks(q, s, fmt.weight_block) for q, s in per_expert])
                            for per_expert in quantized]
             b_forms.append(tuple(d.to(torch.bfloat16).to(device) for d in dequantized) + (None, None))
+        # An MX dot scaled by the MMA, and upcast in the mainloop.
+        upcasts = (False, True) if fmt.scaled_mma else (False,)
         for block_k in fitting:
-            for two_b in (False, True):
+            for two_b, upcast in itertools.product((False, True), upcasts):
                 for (a_in, a_scales, a_ref), (b, b2, b_scales, b2_scales) in itertools.product(a_forms, b_forms):
                     outs = run_tile_gemm(
                         a_in, b, b2 if two_b else None, a_scales, b_scales, b2_scales if two_b else None,
-                        experts - 1, fmt, block_m, block_n, block_k, **launch,
+                        experts - 1, fmt, block_m, block_n, block_k, upcast, **launch,
                     )
                     for got, b_ref in zip(outs[: 1 + two_b], b_refs):
                         err = relative_error(got.cpu(), a_ref @ b_ref.T)
-                        case = (fmt.name, m, n, k, block_k, two_b, a_scales is None, b_scales is None, err,
-                                f"seed {seed}")
+                        case = (fmt.name, m, n, k, block_k, two_b, upcast, a_scales is None, b_scales is None,
+                                err, f"seed {seed}")
                         assert err <= tolerances[fmt.name], case
 
     for dtype in (torch.float32, torch.bfloat16):

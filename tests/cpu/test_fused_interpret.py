@@ -329,7 +329,7 @@ def test_fused_backend_compiles_fullgraph(monkeypatch):
     run_ranks(_compiles_fullgraph, 1, timeout_s=600)
 
 
-def _quantized_matches_reference(rank, world, precision, dequantized_weights):
+def _quantized_matches_reference(rank, world, precision, tile_changes):
     """The quantized forward (rows quantized once at the source, scaled GEMM1, h quantized
     in its epilogue, scaled GEMM2; fp8_bwd: the bf16 forward) and backward (dy quantized once per token, GEMM1
     recomputed scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its
@@ -348,7 +348,7 @@ def _quantized_matches_reference(rank, world, precision, dequantized_weights):
     hidden, inter, experts, top_k = 256, 256, 4, 2
     spec = get_precision(precision)
     row = ("interpret", spec.forward.name)
-    configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], mx_dequantized_weights=dequantized_weights)
+    configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], **tile_changes)
     # 150 skewed tokens: expert 0 receives all of them, more than one 128-token block.
     cases = ((24, "random", False, False), (17, "skewed", True, True), (150, "skewed", False, True),
              (1, "random", False, False))
@@ -369,7 +369,7 @@ def _quantized_matches_reference(rank, world, precision, dequantized_weights):
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
-        case = (precision, dequantized_weights, num_tokens, routing, score_before, save)
+        case = (precision, tile_changes, num_tokens, routing, score_before, save)
         assert torch.equal(counts, counts_ref), case
         for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
             assert torch.isfinite(got).all(), (case, name)
@@ -381,9 +381,11 @@ def _quantized_matches_reference(rank, world, precision, dequantized_weights):
 
 
 # mxfp8_wgrad_bf16 with its weights dequantized to bf16 (only the rows scaled in the MMA);
-# mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms.
-@pytest.mark.parametrize("precision, dequantized_weights",
-                         [("fp8", 0), ("fp8_bwd", 0), ("mxfp8", 0), ("mxfp8_wgrad_bf16", 1)])
-def test_quantized_matches_reference(precision, dequantized_weights, monkeypatch):
+# mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms; and mxfp8
+# with both operands upcast in the mainloop instead of handed to the scaled dot.
+@pytest.mark.parametrize("precision, tile_changes",
+                         [("fp8", {}), ("fp8_bwd", {}), ("mxfp8", {}), ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
+                          ("mxfp8", {"mx_upcast": 1})])
+def test_quantized_matches_reference(precision, tile_changes, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_quantized_matches_reference, 1, precision, dequantized_weights, timeout_s=900)
+    run_ranks(_quantized_matches_reference, 1, precision, tile_changes, timeout_s=900)

@@ -1,6 +1,7 @@
 """The fused forward and backward on 1 and 2 GPUs at a real shape (Qwen3-30B-A3B experts),
-in bf16, fp8, fp8_bwd and mxfp8, against the same-precision reference backend and an fp32 reference
-(output and every gradient, each by its global and its worst-row error): adversarial
+in every precision (mxfp8 in both weight forms), against the same-precision reference
+backend and an fp32 reference (output and every gradient, each by its global and its
+worst-row error): adversarial
 routings, both score modes, GEMM1 recomputed and saved, poisoned buffers, determinism,
 no host synchronisation."""
 
@@ -58,7 +59,8 @@ doubled slot moves a row by more than 1 / top_k)."""
 
 
 TOLERANCES = {"bf16": (BF16_TOLERANCE, BF16_TOLERANCE), "fp8": (BF16_TOLERANCE, 8e-2),
-              "fp8_bwd": (BF16_TOLERANCE, 8e-2), "mxfp8": (BF16_TOLERANCE, 8e-2)}
+              "fp8_bwd": (BF16_TOLERANCE, 8e-2), "mxfp8": (BF16_TOLERANCE, 8e-2),
+              "mxfp8_wgrad_bf16": (BF16_TOLERANCE, 8e-2)}
 """Precision -> (against the same-precision reference, against fp32): DESIGN.md's."""
 
 STATISTICAL_MIN_ROWS, STATISTICAL_MIN_VALUES = 64, 1024
@@ -148,6 +150,26 @@ def _skip_unless_fused_runs(precision: str) -> None:
 def test_one_gpu(precision):
     _skip_unless_fused_runs(precision)
     run_ranks(_check_scenarios, 1, precision, backend="nccl", timeout_s=600)
+
+
+def _check_other_mx_weight_form(rank: int, world: int, precision: str):
+    import dataclasses
+
+    from titan_megamoe.kernels import configs
+    from titan_megamoe.precision import get_precision
+
+    # This process's row only; the fused backend keys its buffers by the tiles.
+    row = (configs.arch_of(torch.cuda.get_device_capability()), get_precision(precision).forward.name)
+    table = configs.TILE_CONFIGS[row]
+    configs.TILE_CONFIGS[row] = dataclasses.replace(table, mx_dequantized_weights=1 - table.mx_dequantized_weights)
+    _check_scenarios(rank, world, precision)
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "mxfp8_wgrad_bf16"])
+def test_one_gpu_other_mx_weight_form(precision):
+    """The weight form (e4m3 with scales, or dequantized to bf16) the tile table does not pick."""
+    _skip_unless_fused_runs(precision)
+    run_ranks(_check_other_mx_weight_form, 1, precision, backend="nccl", timeout_s=600)
 
 
 @pytest.mark.parametrize("precision", list(TOLERANCES))
