@@ -134,16 +134,18 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # dequantized to bf16 once per call so that only the rows are converted per K step
     # (fwd+bwd 35.2 ms with Triton's dot_scaled emulation, 27.5 upcasting both operands,
     # 24.7 upcasting the rows only: docs/perf.md v15). Tiles as the bf16 row's with K
-    # steps of two scale blocks (64); token-major copies 64 columns wide, as fp8's.
+    # steps of two scale blocks (64), but one (32) in the backward's first kernel and the
+    # weight gradients (23.3 ms; slower in GEMM1 and GEMM2); token-major copies 64
+    # columns wide, as fp8's.
     ("sm90", "mxfp8"): TileConfig(
         block_m=128, mx_upcast=1, mx_dequantized_weights=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
-        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=32, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=64, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=32, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
     # MXFP8 on B200 (SM100): native MX MMA (block-scaled tcgen05) with the accumulators in
     # tensor memory; K steps of 128 (four scale blocks). Compiled for sm_100a, never run:
