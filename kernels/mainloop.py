@@ -54,6 +54,14 @@ def _ue8m0(scale):
 
 
 @triton.jit
+def _dot(x, y, acc, UPCAST_DOT: tl.constexpr):
+    """``acc + x y``; with ``UPCAST_DOT`` the operands go in fp32."""
+    if UPCAST_DOT:
+        x, y = x.to(tl.float32), y.to(tl.float32)
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
 def _upcast_rows(x, scale, SCALE_K: tl.constexpr):
     """e4m3 ``x [R, C]`` times its power-of-two ``scale [R, C // SCALE_K]``, in bf16 (the
     product formed in fp32, which the Triton interpreter also computes right)."""
@@ -162,13 +170,9 @@ def tile_gemm(
                     y = _upcast_cols(y, sy, SCALE_K)
                     if TWO_B:
                         y2 = _upcast_cols(y2, sy2, SCALE_K)
-                if UPCAST_DOT:
-                    x, y = x.to(tl.float32), y.to(tl.float32)
-                    if TWO_B:
-                        y2 = y2.to(tl.float32)
-                acc = tl.dot(x, y, acc)
+                acc = _dot(x, y, acc, UPCAST_DOT)
                 if TWO_B:
-                    acc2 = tl.dot(x, y2, acc2)
+                    acc2 = _dot(x, y2, acc2, UPCAST_DOT)
             elif B_SCALE_N > 0:
                 acc = tl.dot_scaled(x, _ue8m0(sx), "e4m3", y, _ue8m0(sy), "e4m3", acc=acc)
                 if TWO_B:
@@ -196,13 +200,9 @@ def tile_gemm(
                 y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
                 if TWO_B:
                     y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)
-                if UPCAST_DOT:
-                    x, y = x.to(tl.float32), y.to(tl.float32)
-                    if TWO_B:
-                        y2 = y2.to(tl.float32)
-                part = tl.dot(x, y, part)
+                part = _dot(x, y, part, UPCAST_DOT)
                 if TWO_B:
-                    part2 = tl.dot(x, y2, part2)
+                    part2 = _dot(x, y2, part2, UPCAST_DOT)
             if SCALE_K > 0:
                 kb = k0 // SCALE_K
                 sa = tl.load(sa_ptrs + kb)[:, None]
