@@ -185,7 +185,7 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     wgrad_kernel[grid](
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
         M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,
-        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, MX_DOT=mx_dot(fmt, tiles),
+        BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, MX_DOT=mx_dot(fmt, tiles.mx_upcast),
         UPCAST_DOT=INTERPRET,
         num_warps=tiles.wgrad_warps, num_stages=tiles.wgrad_stages,
     )
@@ -278,7 +278,8 @@ def fused_backward(
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
-        W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles), QUANTIZE_ON_READ=quantize_on_read,
+        W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
+        QUANTIZE_ON_READ=quantize_on_read,
         POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not grad.wgrad_format.quantized,
         num_warps=tiles.grad1_warps, num_stages=stages,
@@ -291,7 +292,8 @@ def fused_backward(
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles),
+        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
+        MX_DOT=mx_dot(fmt, tiles.mx_upcast),
         OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )

@@ -328,7 +328,7 @@ def fused_forward(
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
-        W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles), POWER_OF_TWO=fmt.power_of_two,
+        W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
         ACT_DTYPE=TRITON_DTYPES[x.dtype],
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
@@ -340,7 +340,7 @@ def fused_forward(
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles),
+        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
         OVERLAP=bool(tiles.gemm2_overlap),
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )

@@ -30,7 +30,6 @@ K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.configs import TileConfig
 from titan_megamoe.kernels.quantize import quantize_tile
 from titan_megamoe.precision import Format
 
@@ -39,11 +38,12 @@ MX_UPCAST_DOT = tl.constexpr(2)
 """``MX_DOT`` values (0: not an MX format)."""
 
 
-def mx_dot(fmt: Format, tiles: TileConfig) -> int:
-    """``MX_DOT`` for GEMMs over ``fmt`` operands with ``tiles`` (``mx_upcast``)."""
+def mx_dot(fmt: Format, upcast: bool) -> int:
+    """``MX_DOT`` for GEMMs over ``fmt`` operands, MX tiles upcast in the mainloop or not
+    (the tile field ``mx_upcast``)."""
     if not fmt.scaled_mma:
         return 0
-    return (MX_UPCAST_DOT if tiles.mx_upcast else MX_SCALED_DOT).value
+    return (MX_UPCAST_DOT if upcast else MX_SCALED_DOT).value
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from titan_megamoe.fused_support import describe_mma
+from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import PRECISION_CHOICES, get_precision
@@ -146,8 +146,7 @@ def main():
     arch = configs.arch_of(torch.cuda.get_device_capability())
     if arch is None:
         sys.exit(f"profile_layer: the tile table has no row for GPU {torch.cuda.get_device_name()}")
-    # The ceiling is the MMA the kernels issue: Hopper runs MX tiles through a bf16 MMA.
-    fp8_mma = precision.forward.quantized and not (precision.forward.scaled_mma and arch == "sm90")
+    fp8_mma = runs_fp8_mma(arch, precision)  # the ceiling is the MMA the kernels issue
     try:
         peak = matmul_peak_tflops(torch.device("cuda"), fp8=fp8_mma)
     except RuntimeError as error:  # the table then goes without shares, and says why

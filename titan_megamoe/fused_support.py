@@ -100,6 +100,13 @@ def unsupported_reason(
     return None
 
 
+def runs_fp8_mma(target: str, precision: Precision) -> bool:
+    """Whether the fused GEMMs of ``precision`` issue fp8 MMAs on architecture ``target``
+    (Hopper has no MX MMA: MX tiles go through bf16 MMAs there)."""
+    fmt = precision.dgrad
+    return fmt.quantized and not (fmt.scaled_mma and target == "sm90")
+
+
 def describe_mma(target: str, precision: Precision) -> str:
     """How the fused GEMMs of ``precision`` multiply on architecture ``target``, for the log."""
     fmt = precision.dgrad

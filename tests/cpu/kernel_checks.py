@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
-from titan_megamoe.kernels.mainloop import MX_SCALED_DOT, MX_UPCAST_DOT, tile_gemm
+from titan_megamoe.kernels.mainloop import mx_dot, tile_gemm
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Format
 from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
@@ -66,7 +66,6 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
     ``tl.dot_scaled``); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
     m, k = a.shape
     n = b.shape[1]
-    mx = (MX_UPCAST_DOT if mx_upcast else MX_SCALED_DOT).value if fmt.scaled_mma else 0
     m_pad = triton.cdiv(m, block_m) * block_m
     out = torch.full((m, n), float("nan"), device=a.device)
     out2 = None if b2 is None else torch.full_like(out, float("nan"))
@@ -75,7 +74,7 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         m, expert,
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
-        B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx,
+        B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx_dot(fmt, mx_upcast),
         QUANTIZE_A=fmt.quantized and a_scales is None, UPCAST_DOT=INTERPRET, **launch,
     )
     return out, out2
