@@ -25,9 +25,10 @@ weights and their transposes (each in its own orientation) on every call for now
 dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run quantized on
 token-major copies of their operands quantized along the rows, as the spec says
 (``kernels.wgrad``), instead of torch's grouped GEMM. Native weight gradients after a
-quantized forward (``mxfp8_wgrad_bf16``) take torch's grouped GEMM on the rows as they
-crossed: unquantized, so ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
-quantize them as they read them.
+quantized forward take torch's grouped GEMM on the rows as they crossed: unquantized
+(``mxfp8_wgrad_bf16``: ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
+quantize them as they read them), or quantized and dequantized for it
+(``fp8_wgrad_bf16``).
 """
 
 import functools
@@ -55,7 +56,7 @@ from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
 from titan_megamoe.kernels.transpose import transposed_side_by_side
-from titan_megamoe.kernels.wgrad import token_major_kernel, wgrad_kernel
+from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
 
 
@@ -117,7 +118,9 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
     through_dgrad = (rows * 2 * inter + dy_copy) * scaled + weights * weight_bytes
     if not grad.wgrad_format.quantized:
-        return total + int(through_dgrad)
+        # Then the rows that crossed quantized, dequantized one at a time.
+        dequantized = rows * hidden * shape.dtype.itemsize if grad.dy_link.quantized else 0
+        return total + int(max(through_dgrad, dequantized))
     kt = _token_major_length(shape, tiles, grad.wgrad_format)
     token_major = kt * max(hidden + inter, 2 * inter + hidden)
     return total + int(max(through_dgrad, (shape.capacity_tokens_per_rank * hidden + token_major) * scaled))
@@ -165,6 +168,29 @@ def _token_block_starts(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format)
     block_start = torch.zeros(buffers.shape.local_experts + 1, dtype=torch.int32, device=blocks.device)
     torch.cumsum(blocks, 0, out=block_start[1:])
     return block_start
+
+
+DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 128
+"""Rows and columns of a ``dequantized_rows_kernel`` program (rows capped at the receive
+layout's block)."""
+
+
+def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tensor | None,
+                 scale_k: int) -> torch.Tensor:
+    """Received ``rows`` in the activation dtype: as they are, or, with ``scales`` (e4m3
+    rows, one scale per ``scale_k`` columns), dequantized, each expert's padding rows 0."""
+    if scales is None:
+        return rows
+    shape = buffers.shape
+    out = torch.empty(rows.shape, dtype=shape.dtype, device=rows.device)
+    block_r = min(DEQUANTIZE_ROWS, buffers.tiles.block_m)
+    grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
+    dequantized_rows_kernel[grid](
+        rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
+        COLS=rows.shape[1], SCALE_K=scale_k, LOCAL_PAD=pad(shape.local_experts), BLOCK_R=block_r,
+        BLOCK_C=DEQUANTIZE_COLS, num_warps=4,
+    )
+    return out
 
 
 def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, a,
@@ -281,7 +307,7 @@ def fused_backward(
         W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
         QUANTIZE_ON_READ=quantize_on_read,
         POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
-        ZERO_PADDING=not grad.wgrad_format.quantized,
+        ZERO_PADDING=not grad.wgrad_format.quantized and not grad.dy_link.quantized,
         num_warps=tiles.grad1_warps, num_stages=stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
@@ -312,11 +338,16 @@ def fused_backward(
         del h_wgrad
         wgrad(dab, None, 2 * shape.inter, recv_rows, recv_row_scales, shape.hidden, (dw1, dw3))
     else:
+        # torch's grouped GEMM on the rows in the activation dtype (dequantized one at a
+        # time where they crossed quantized: ``fp8_wgrad_bf16``).
         bm = tiles.block_m
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
-        dw2 = torch._grouped_mm(grad.recv_grad.t(), h_wgrad, offs=ends)
-        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), recv_rows, offs=ends)
-        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), recv_rows, offs=ends)
+        dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k)
+        dw2 = torch._grouped_mm(dy_rows.t(), h_wgrad, offs=ends)
+        del dy_rows
+        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_scale_k)
+        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), x_rows, offs=ends)
+        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), x_rows, offs=ends)
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)

@@ -110,24 +110,25 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # Blockwise fp8 on H100/H200: one 128-deep scale block per K step. Each scaled
     # accumulator has a partial product beside it (promoted once per block). GEMM1 and
     # the backward's first kernel store h and [da | db] in 1x128 blocks, so their tiles
-    # are 128 columns wide and 64 rows tall (128 rows compile for GEMM1 at 255 registers
-    # with small spills, unmeasured: docs/perf.md v13). GEMM2 and dgrad 128x128 as in the
-    # plain blockwise-fp8 grouped GEMM measured at 613-835 TFLOP/s (docs/perf.md, v9),
-    # without the flattened tile loop (with it, the second accumulator spills). The
-    # backward's first kernel runs 2 stages
-    # where it recomputes GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it
-    # in bf16) and 3 where GEMM1 was saved (19-28% faster than 2, docs/perf.md v13).
-    # Token-major copies 64 columns wide: a 128x64 fp32 tile in 128 threads keeps more
-    # programs per SM than 128x128 (34% faster); weight gradients in 4 stages.
+    # are 128 columns wide; GEMM1 128 rows tall in 3 stages (small spills, 9% faster than
+    # 64 rows), the backward's first kernel 64 (128 rows are 35% slower). GEMM2 and dgrad
+    # 128x128 as in the plain blockwise-fp8 grouped GEMM measured at 613-835 TFLOP/s
+    # (docs/perf.md, v9), without the flattened tile loop (with it, the second accumulator
+    # spills: 3.8x slower). The backward's first kernel runs 2 stages where it recomputes
+    # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
+    # where GEMM1 was saved. Token-major copies 64 columns wide: a 128x64 fp32 tile in 128
+    # threads keeps more programs per SM than 128x128 (34% faster). Weight gradients in
+    # 64x128 tiles of 4 warps, 3 stages: two programs per SM, so one's epilogue overlaps
+    # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16).
     ("sm90", "fp8_block"): TileConfig(
         block_m=128,
-        gemm1_m=64, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=4,
+        gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,
         gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4, gemm2_overlap=0,
         grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
-        grad1_saved_stages=3,
+        grad1_saved_stages=4,
         dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4, dgrad_overlap=0,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
+        wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_cols=64,
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA, so the mainloop multiplies each e4m3 tile
     # by its power-of-two scales into bf16 and runs a bf16 MMA, with the weights

@@ -10,11 +10,16 @@ blocks ``block_start[e] .. block_start[e + 1]`` (its rows, zero-padded to whole 
 to whole K steps of ``wgrad_kernel`` where a step spans several blocks). ``wgrad_kernel``
 then runs the shared mainloop (``tile_gemm``) over that token range, one scale per A row
 and per B column per block, applied as the forward applies them (promoted, or in the MMA).
+
+Native weight gradients that read the rows as they crossed quantized (``fp8_wgrad_bf16``)
+take torch's grouped GEMM on copies of them dequantized into the activation dtype
+(``dequantized_rows_kernel``).
 """
 
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import quantize_tile
 
@@ -42,6 +47,28 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
             s = tl.load(t_scales + rows[:, None].to(tl.int64) * SCALE_COLS + kb[None, :], mask=s_mask, other=0.0)
             v = tl.reshape(tl.reshape(v, (v.shape[0], BLOCKS, SCALE_K)) * s[:, :, None], (v.shape[0], BLOCK))
     return v
+
+
+@triton.jit
+def dequantized_rows_kernel(
+    t, t_scales, out, num_rows, local_base, local_rows, local_experts,
+    COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """e4m3 received rows ``t [num_rows, COLS]`` times their scales (one per ``SCALE_K``
+    columns) into ``out`` (same shape, its dtype). Rows past their expert's received rows
+    are written as 0: a grouped GEMM over whole blocks then reads zeros there, whatever
+    the buffers held. Program ``(r, c)``: ``BLOCK_R`` rows (dividing the receive layout's
+    block, so they belong to one expert) by ``BLOCK_C`` columns."""
+    row0 = tl.program_id(0) * BLOCK_R
+    col0 = tl.program_id(1) * BLOCK_C
+    expert = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
+    rows = row0 + tl.arange(0, BLOCK_R)
+    live = rows < tl.minimum(tl.load(local_base + expert) + tl.load(local_rows + expert), num_rows)
+    v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    at = out + rows[:, None].to(tl.int64) * COLS + cols[None, :]
+    tl.store(at, v.to(out.dtype.element_ty), mask=(rows[:, None] < num_rows) & (cols[None, :] < COLS))
 
 
 @triton.jit

@@ -32,13 +32,15 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 @dataclass
 class MegaMoE:
     precision: str = "auto"
-    """Numeric format of the routed-expert GEMMs: auto | bf16 | fp8 | fp8_bwd | mxfp8 |
-    mxfp8_wgrad_bf16. ``auto`` follows the torchao grouped-MM converter in
-    ``model.converters`` (none -> bf16, quantize.grouped_mm.float8 -> fp8,
+    """Numeric format of the routed-expert GEMMs: auto | bf16 | fp8 | fp8_bwd |
+    fp8_wgrad_bf16 | mxfp8 | mxfp8_wgrad_bf16. ``auto`` follows the torchao grouped-MM
+    converter in ``model.converters`` (none -> bf16, quantize.grouped_mm.float8 -> fp8,
     quantize.grouped_mm.mx -> mxfp8, or mxfp8_wgrad_bf16 for the recipe
     mxfp8_rceil_wgrad_with_hp). ``fp8_bwd`` keeps the forward in bf16 and runs the
-    backward GEMMs in blockwise fp8; ``mxfp8_wgrad_bf16`` is mxfp8 with the weight
-    gradients in bf16 (what TorchTitan 0.2.2's recipe_name check cannot select)."""
+    backward GEMMs in blockwise fp8; ``fp8_wgrad_bf16`` is fp8 with the weight gradients
+    in bf16, computed from the e4m3 rows the GEMMs read (the link stays fp8);
+    ``mxfp8_wgrad_bf16`` is mxfp8 with the weight gradients in bf16 from unquantized rows
+    (what TorchTitan 0.2.2's recipe_name check cannot select)."""
 
     backend: str = "auto"
     """What runs the routed experts: auto | fused | stock | reference.

@@ -24,7 +24,7 @@ SERVED_DTYPES = {
 AUTO_PRECISIONS = {
     "sm90": ("bf16", "fp8"),
     "sm100": (),
-    "interpret": ("bf16", "fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16"),
+    "interpret": ("bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
@@ -81,14 +81,15 @@ def unsupported_reason(
         return f"the tile table has no row for {described}; it has: {rows} (H100/H200, B200)"
     one_backward_format = precision.wgrad == precision.dgrad and precision.forward in (NATIVE, precision.dgrad)
     # Native weight gradients read the rows as they crossed: unquantized, which GEMM1 and
-    # ``dy W2`` then quantize as they read them (a scaled MMA's mainloop can).
+    # ``dy W2`` then quantize as they read them (a scaled MMA's mainloop can), or quantized,
+    # dequantized for them (``wgrad_from_link``).
     native_wgrad = (precision.wgrad == NATIVE and precision.forward == precision.dgrad
-                    and precision.dgrad.scaled_mma)
+                    and (precision.dgrad.scaled_mma or precision.wgrad_from_link))
     if not (one_backward_format or native_wgrad):
         return (f"precision {precision.name!r} mixes formats (forward {precision.forward.name}, "
                 f"backward {precision.dgrad.name} / {precision.wgrad.name}); the fused kernels run one "
-                "format throughout, a native forward with one backward format, or MX with native "
-                "weight gradients")
+                "format throughout, a native forward with one backward format, or a quantized "
+                "format with native weight gradients (fp8_wgrad_bf16, mxfp8_wgrad_bf16)")
     missing = sorted({f.name for f in precision.formats if (target, f.name) not in TILE_CONFIGS})
     if missing:
         return (f"precision {precision.name!r} needs {', '.join(missing)} GEMM kernels, which the "

@@ -69,6 +69,11 @@ class Precision:
     forward: Format
     dgrad: Format
     wgrad: Format
+    wgrad_from_link: bool = False
+    """Native weight gradients after a quantized forward: False, they read ``x`` and
+    ``dy`` unquantized, so the backward sends both unquantized (torchao's ``with_hp``
+    recipes); True, they read the rows that crossed quantized, dequantized into the
+    activation dtype, so the link stays quantized both ways."""
 
     @property
     def formats(self) -> tuple[Format, Format, Format]:
@@ -84,8 +89,9 @@ class Precision:
         """Formats the backward's expert-input rows and ``dy`` rows cross the link in: those
         of the GEMMs that read them on arrival (GEMM1, ``dy W2``), quantized once at their
         source; but native weight gradients read the same rows, so with those both cross
-        unquantized (and the GEMMs quantize them as they read them)."""
-        if self.wgrad.quantized:
+        unquantized (and the GEMMs quantize them as they read them), unless they read them
+        dequantized (``wgrad_from_link``)."""
+        if self.wgrad.quantized or self.wgrad_from_link:
             return self.forward, self.dgrad
         return NATIVE, NATIVE
 
@@ -103,12 +109,13 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp8", FP8_BLOCK, FP8_BLOCK, FP8_BLOCK),
         Precision("fp8_bwd", NATIVE, FP8_BLOCK, FP8_BLOCK),
         Precision("mxfp8", MXFP8, MXFP8, MXFP8),
+        Precision("fp8_wgrad_bf16", FP8_BLOCK, FP8_BLOCK, NATIVE, wgrad_from_link=True),
         Precision("mxfp8_wgrad_bf16", MXFP8, MXFP8, NATIVE),
     )
 }
 """Every precision the operator runs, by name."""
 
-PRECISION_CHOICES = ("auto", "bf16", "fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16")
+PRECISION_CHOICES = ("auto", "bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16")
 """What ``[mega_moe] precision`` (and every script's ``--precision``) accepts; ``auto``
 follows the torchao grouped-MM converter in ``model.converters``."""
 

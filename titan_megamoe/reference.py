@@ -21,7 +21,10 @@ Numerics (what the fused kernels must reproduce):
   reads them as they arrived, without quantizing again. In the backward the same rows
   also feed the weight-gradient GEMMs: they travel quantized when those are quantized
   too, and in the activation dtype when the weight gradients are native (each GEMM
-  then quantizes them as it reads them, to the same values);
+  then quantizes them as it reads them, to the same values), unless the precision's
+  native weight gradients read what crossed (``wgrad_from_link``: ``fp8_wgrad_bf16``):
+  then the rows travel quantized and the weight gradients read them dequantized and
+  rounded to the activation dtype;
 - the weight-gradient GEMMs contract over an expert's rows (in receive order: by source
   rank, then the source's sort order), so their operands are quantized along the rows,
   in 128 x 1 (fp8) or 32 x 1 (mxfp8) blocks counted from the expert's first row. The
@@ -348,6 +351,10 @@ def moe_backward(
             h_wgrad = (F.silu(a) * b * recv_score[rows]).to(x.dtype)
         da = (dh * b * sig * (1 + a * (1 - sig))).to(x.dtype)
         db = (dh * a * sig).to(x.dtype)
+        if not prec.wgrad.quantized:
+            # Native weight gradients read the rows in x's dtype (dequantized into it where
+            # they crossed quantized).
+            xe, ge = xe.to(x.dtype), ge.to(x.dtype)
         dw2[e] = gemm(ge.T, h_wgrad.T, prec.wgrad, False)
         dw1[e] = gemm(da.T, xe.T, prec.wgrad, False)
         dw3[e] = gemm(db.T, xe.T, prec.wgrad, False)

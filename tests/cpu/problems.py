@@ -136,8 +136,9 @@ def poison_fused_buffers() -> None:
             if t is not None:
                 t.fill_(float("nan"))
     for grad in fused._GRAD_BUFFERS.values():
-        for t in (grad.recv_grad, grad.recv_score, grad.score_grad):
-            t.fill_(float("nan"))
+        for t in (grad.recv_grad, grad.recv_grad_scales, grad.recv_score, grad.score_grad):
+            if t is not None:
+                t.fill_(float("nan"))
 
 
 def assert_compiles_like_eager(settings: OperatorSettings, x, idx, w, w1, w2, w3) -> None:

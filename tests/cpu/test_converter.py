@@ -41,7 +41,7 @@ def build_converters(job):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("precision", "fp4", "precision = 'fp4' is not valid; allowed values: 'auto', 'bf16', 'fp8', 'fp8_bwd', 'mxfp8', 'mxfp8_wgrad_bf16'"),
+        ("precision", "fp4", "precision = 'fp4' is not valid; allowed values: 'auto', 'bf16', 'fp8', 'fp8_bwd', 'fp8_wgrad_bf16', 'mxfp8', 'mxfp8_wgrad_bf16'"),
         ("backend", "cuda", "backend = 'cuda' is not valid; allowed values: 'auto', 'fused', 'stock', 'reference'"),
         ("save_gemm1", "save", "save_gemm1 = 'save' is not valid; expected true or false"),
         ("capacity_tokens_per_rank", -1, "capacity_tokens_per_rank = -1 is not valid; expected an integer >= 0"),

@@ -334,6 +334,7 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
     in its epilogue, scaled GEMM2; fp8_bwd: the bf16 forward) and backward (dy quantized once per token, GEMM1
     recomputed scaled or read back, scaled ``dy W2``, ``[da | db]`` quantized in its
     epilogue, scaled dgrad, weight gradients requantized along the tokens;
+    fp8_wgrad_bf16: weight gradients on the e4m3 rows that crossed, dequantized;
     mxfp8_wgrad_bf16: x and dy resent unquantized, quantized as GEMM1 and ``dy W2`` read
     them, bf16 weight gradients on the rows as they crossed) against the
     same-precision reference: the same quantized values, so only fp32 summation order
@@ -384,7 +385,8 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 # mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms; and mxfp8
 # with both operands upcast in the mainloop instead of handed to the scaled dot.
 @pytest.mark.parametrize("precision, tile_changes",
-                         [("fp8", {}), ("fp8_bwd", {}), ("mxfp8", {}), ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
+                         [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
+                          ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
                           ("mxfp8", {"mx_upcast": 1})])
 def test_quantized_matches_reference(precision, tile_changes, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -54,7 +54,7 @@ def test_gradcheck_float64(score_before):
 LOW_PRECISION_TOLERANCE = 8e-2
 
 
-@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"])
 def test_low_precision_within_tolerance(precision):
     tolerance = LOW_PRECISION_TOLERANCE
     x, idx, w = make_problem(300, "random", seed=5)
@@ -65,7 +65,7 @@ def test_low_precision_within_tolerance(precision):
     errors = [rel_err(y, y_ref)] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
     assert max(errors) <= tolerance, dict(zip(("y",) + NAMES, errors))
     # The format must really have been applied where the precision says so.
-    forward_quantized = precision in ("fp8", "mxfp8", "mxfp8_wgrad_bf16")
+    forward_quantized = precision in ("fp8", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16")
     assert (errors[0] > 1e-4) == forward_quantized
     assert errors[3] > 1e-4  # dw1 always goes through a quantized dgrad or wgrad GEMM
 

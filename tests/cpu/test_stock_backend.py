@@ -270,6 +270,8 @@ def test_runs_bf16_on_cpu_refuses_quantized():
     for precision in ("fp8", "fp8_bwd", "mxfp8", "mxfp8_wgrad_bf16"):
         reason = _reason(CPU, precision)
         assert reason is not None and repr(precision) in reason and "CUDA" in reason
+    # torchao has no fp8 grouped GEMM with bf16 weight gradients: no stock recipe anywhere.
+    assert _reason(CPU, "fp8_wgrad_bf16") == "precision 'fp8_wgrad_bf16' has no stock grouped-GEMM recipe"
     assert "floating point" in _reason(CPU, "bf16", torch.int32)
 
 
