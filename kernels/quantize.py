@@ -14,10 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.transpose import transposed_side_by_side
 from titan_megamoe.precision import E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
+_INTERPRET = tl.constexpr(INTERPRET)
 
 ROWS_PER_PROGRAM, COLS_PER_PROGRAM = 16, 512
 """Tile of one ``quantize_rows_kernel`` program: a multiple of every scale width (32, 128)."""
@@ -33,7 +35,7 @@ def _exponent(v):
 def _round_to_e4m3(v):
     """``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still in fp32,
     so that the conversion to e4m3 after it is exact (the Triton interpreter's fp32 -> fp8
-    conversion drops the carry of its rounding into the exponent)."""
+    conversion drops the carry of its rounding into the exponent; GPUs convert right)."""
     # e4m3 spacing in binade 2^e is 2^(e - 3); below 2^-6 (subnormals) it stays 2^-9.
     e = tl.maximum(_exponent(tl.abs(v)), -6)
     # |v| + 1.5 * 2^(e + 20) lies in a binade whose fp32 ulp is that spacing: the addition
@@ -43,6 +45,17 @@ def _round_to_e4m3(v):
     # v's sign bit, -0.0's included (Triton's negation is 0 - x, which loses it).
     sign = v.to(tl.uint32, bitcast=True) & 0x80000000
     return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """fp32 ``v`` (``|v| <= 448``) to e4m3, rounded to nearest, ties to even. On a GPU the
+    conversion instruction rounds so; the interpreter's conversion needs the values
+    rounded first (``_round_to_e4m3``), which on a GPU would only add instructions to the
+    quantizers (docs/perf.md v16)."""
+    if _INTERPRET:
+        v = _round_to_e4m3(v)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -77,7 +90,7 @@ def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
     tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
     blocks = tl.reshape(values, (BLOCK_ROWS, BLOCK_COLS // SCALE_K, SCALE_K))
     scale = e4m3_scale(tl.max(tl.abs(blocks), axis=2), POWER_OF_TWO)
-    q = _round_to_e4m3(tl.div_rn(blocks, scale[:, :, None])).to(tl.float8e4nv)
+    q = _to_e4m3(tl.div_rn(blocks, scale[:, :, None]))
     return tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS)), scale
 
 
@@ -156,7 +169,7 @@ def quantize_weight_blocks_kernel(
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     values = tl.load(w + e * N * K + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), POWER_OF_TWO)
-    block_q = _round_to_e4m3(tl.div_rn(values, scale)).to(tl.float8e4nv)
+    block_q = _to_e4m3(tl.div_rn(values, scale))
     if TRANSPOSE:
         at = e * K * OUT_COLS + cols[:, None] * OUT_COLS + col0 + rows[None, :]
         tl.store(q + at, tl.trans(block_q), mask=tl.trans(mask))

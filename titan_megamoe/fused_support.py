@@ -22,13 +22,14 @@ SERVED_DTYPES = {
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
 AUTO_PRECISIONS = {
-    "sm90": ("bf16", "fp8"),
+    "sm90": ("bf16", "fp8", "fp8_wgrad_bf16"),
     "sm100": (),
     "interpret": ("bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
-(``fp8``: stock with torchao's FP8 recipe, ``docs/perf.md``). The others run fused when
+(``fp8``: stock with torchao's FP8 recipe; ``fp8_wgrad_bf16``, which no torchao recipe
+computes: stock bf16; ``docs/perf.md``). The others run fused when
 asked for (``backend = "fused"``) and go to the stock backend under ``auto``. sm90
 ``mxfp8`` and every sm100 kernel are compiled but not yet measured."""
 
