@@ -344,7 +344,7 @@ def fused_backward(
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
         dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k)
         dw2 = torch._grouped_mm(dy_rows.t(), h_wgrad, offs=ends)
-        del dy_rows
+        del dy_rows, h_wgrad
         x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_scale_k)
         dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), x_rows, offs=ends)
         dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), x_rows, offs=ends)
