@@ -317,7 +317,7 @@ def fused_backward(
         shape.local_experts, shape.rows_per_rank,
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
+        BLOCK_M=tiles.block_m, TILE_M=tiles.dgrad_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
         UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
         MX_DOT=mx_dot(fmt, tiles.mx_upcast),
         OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,

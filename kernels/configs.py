@@ -83,9 +83,15 @@ class TileConfig:
     """Scaled-MMA formats (mxfp8) only. 1: the mainloop multiplies each e4m3 tile by its
     scales into bf16 itself and runs a bf16 dot (for GPUs without an MX MMA); 0: it hands
     tiles and scales to ``tl.dot_scaled`` (native MX MMA, or Triton's emulation)."""
+    gemm2_m: int = 128
+    """Rows per GEMM2 tile, dividing ``block_m``: half a block in half the warps takes half
+    the registers and shared memory, so two programs can share an SM and one's epilogue
+    (the scattered stores to the combine buffers) overlaps the other's MMAs."""
+    dgrad_m: int = 128
+    """The same for the dgrad GEMM."""
 
     def __post_init__(self):
-        for name in ("gemm1_m", "grad1_m"):
+        for name in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
@@ -161,24 +167,25 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3, token_major_cols=64,
     ),
-    # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1 tiles are
-    # half a block tall, as on the GPU.
+    # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
+    # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
+    # splits a block).
     ("interpret", "native"): TileConfig(
         block_m=16,
         gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
-        gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
+        gemm2_m=16, gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
-        dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
+        dgrad_m=16, dgrad_n=16, dgrad_k=16, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
     ),
     ("interpret", "fp8_block"): TileConfig(
         block_m=16,
         gemm1_m=8, gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
-        gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
+        gemm2_m=8, gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
-        dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
+        dgrad_m=8, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
     ),
@@ -188,10 +195,10 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
         gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
-        gemm2_n=32, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
+        gemm2_m=16, gemm2_n=32, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=64, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
-        dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
+        dgrad_m=16, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
         wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=64,
     ),

@@ -47,32 +47,34 @@ def rows_gemm_combine_kernel(
     score_grad_ptrs, flags, flag_ptrs, state, local_base, local_rows,
     rank, ep, local_experts, rows_per_rank,
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
-    LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     MX_DOT: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
-    e4m3, scaled as ``tile_gemm`` describes. ``OVERLAP``: flatten the tile loop into the K
-    loop (below)."""
+    e4m3, scaled as ``tile_gemm`` describes. Tiles are ``TILE_M`` rows (dividing the
+    receive layout's ``BLOCK_M``, so a tile never spans two experts) by ``BLOCK_N``.
+    ``OVERLAP``: flatten the tile loop into the K loop (below)."""
+    tl.static_assert(BLOCK_M % TILE_M == 0, "TILE_M must divide BLOCK_M")
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * n_tiles
+    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     out_dtype = combine.dtype.element_ty
     elem: tl.constexpr = out_dtype.primitive_bitwidth // 8
     # A static stride (not a shared tile counter) lets the compiler flatten the tile and
     # K loops into one pipeline: the next tile's loads overlap this tile's epilogue, at
     # the cost of registers.
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=OVERLAP):
-        row0 = (tile // n_tiles) * BLOCK_M
+        row0 = (tile // n_tiles) * TILE_M
         n0 = (tile % n_tiles) * BLOCK_N
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         end = tl.load(local_base + le) + tl.load(local_rows + le)
 
-        rows = row0 + tl.arange(0, BLOCK_M)
+        rows = row0 + tl.arange(0, TILE_M)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, None, None, le, cols, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT,
         )
 
         live = rows < end

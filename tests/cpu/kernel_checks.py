@@ -1,5 +1,5 @@
-"""Checks of the kernels' shared helpers, the tile-GEMM mainloop and the row quantizer,
-against the numerical spec (``titan_megamoe.reference``). The CPU tests run them under the
+"""Checks of the kernels' shared helpers, the tile-GEMM mainloop, the quantizers and the
+received rows' dequantization, against the numerical spec (``titan_megamoe.reference``). The CPU tests run them under the
 Triton interpreter at tiny shapes, the GPU tests at real ones.
 
 Import this module only where Triton may define kernels (under the interpreter, only in
@@ -262,3 +262,43 @@ def _assert_dequantized(got: torch.Tensor, want: torch.Tensor, case) -> None:
     assert normal.float().mean() > 0.2, case
     assert torch.equal(got.float()[normal], want[normal]), case
     assert (got.float()[~normal].abs() <= tiny).all(), case
+
+
+def check_dequantized_rows(device, seed: int) -> None:
+    """``dequantized_rows_kernel`` on a receive layout of three local experts (5 rows, none,
+    20; blocks of 16): each expert's rows equal ``reference.dequantize_blocks`` of the e4m3
+    rows rounded to the output dtype (the interpreter rounds to bf16 by truncation: within
+    a bf16 step there), and its padding rows are 0 although their bytes and scales are
+    NaN. Both row formats, a partial last scale block."""
+    from titan_megamoe.kernels.wgrad import dequantized_rows_kernel
+
+    g = torch.Generator().manual_seed(seed)
+    block, cols = 16, 200
+    local_rows = torch.tensor([5, 0, 20], dtype=torch.int32)
+    local_base = torch.tensor([0, 16, 16], dtype=torch.int32)
+    num_rows = 48
+    live = torch.zeros(num_rows, dtype=torch.bool)
+    for base, count in zip(local_base.tolist(), local_rows.tolist()):
+        live[base : base + count] = True
+    for fmt in (FP8_BLOCK, MXFP8):
+        scale_k = fmt.activation_block[1]
+        q, scales = quantize_blocks(quantize_input(num_rows, cols, scale_k, g), fmt.activation_block, fmt.power_of_two)
+        q, scales = q.contiguous(), scales.contiguous()  # rows as the receive buffer holds them
+        q.view(torch.uint8)[~live] = 0xFF
+        scales[~live] = float("nan")
+        values = torch.where(live[:, None], dequantize_blocks(q, scales, fmt.activation_block), 0.0)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.full((num_rows, cols), float("nan"), dtype=dtype, device=device)
+            dequantized_rows_kernel[(num_rows // block, triton.cdiv(cols, 128))](
+                q.to(device), scales.to(device), out, num_rows, local_base.to(device), local_rows.to(device), 3,
+                COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, BLOCK_R=block, BLOCK_C=128,
+            )
+            got = out.cpu()
+            case = (fmt.name, str(dtype), f"seed {seed}")
+            assert torch.equal(got[~live], torch.zeros_like(got[~live])), case + ("padding rows",)
+            if dtype == torch.bfloat16 and INTERPRET:
+                step = 2.0**-7 * values.abs() + torch.finfo(dtype).tiny
+                assert ((got.float() - values).abs() <= step).all(), case
+            else:
+                want = values.to(dtype)
+                assert torch.equal(got, want), case + (_first_difference(got, want),)

@@ -1,7 +1,8 @@
 """The kernels' shared helpers under the Triton interpreter, at tiny shapes: the tile-GEMM
 mainloop (blockwise fp8 and mxfp8 operands with their scales, unscaled fp32 and bf16, one
-and two B operands, K and N tails) and the row quantizer (bit for bit), against the
-reference's ``quantize_blocks`` / ``dequantize_blocks``; and the tile table's lookups.
+and two B operands, K and N tails), the row and weight quantizers (bit for bit) and the
+received rows' dequantization, against the reference's ``quantize_blocks`` /
+``dequantize_blocks``; and the tile table's lookups.
 
 The interpreter must be switched on before Triton kernels are defined, so each kernel
 check runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
@@ -56,6 +57,17 @@ def test_quantize_weights_bit_exact(monkeypatch):
     run_ranks(_quantize_weights, 1, timeout_s=300)
 
 
+def _dequantized_rows(rank, world):
+    from kernel_checks import check_dequantized_rows
+
+    check_dequantized_rows("cpu", seed=3)
+
+
+def test_dequantized_rows(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_dequantized_rows, 1, timeout_s=300)
+
+
 def test_tile_table_lookups(monkeypatch):
     from titan_megamoe.kernels import configs
 
@@ -80,7 +92,8 @@ def test_tile_rows_meet_the_kernels_constraints():
 
     for (arch, fmt_name), tiles in configs.TILE_CONFIGS.items():
         row = (arch, fmt_name)
-        assert tiles.block_m % tiles.gemm1_m == 0 and tiles.block_m % tiles.grad1_m == 0, row
+        for field in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
+            assert tiles.block_m % getattr(tiles, field) == 0, (row, field)
         # Precisions whose passes use two rows of one architecture read one receive layout.
         assert all(tiles.block_m == other.block_m for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
         fmt = FORMATS[fmt_name]
