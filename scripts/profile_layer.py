@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiles", type=tile_changes, nargs="*", default=[{}],
                    help='tile-table variants: field=value,... ("" for the table as is)')
     p.add_argument("--precision", default="bf16", choices=[c for c in PRECISION_CHOICES if c != "auto"],
-                   help="the operator's precision; --tiles edit the row of its format")
+                   help="the operator's precision; --tiles edit the rows of its forward and backward formats")
     p.add_argument("--backward", action="store_true", help="forward + backward per call")
     p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
     p.add_argument("--iters", type=positive_int, default=10)
@@ -153,12 +153,14 @@ def main():
         peak = None
         print(f"profile_layer: the {args.precision} matmul peak could not be measured: {error}", file=sys.stderr)
     rows = 0
-    row = (arch, precision.forward.name)
-    table = configs.TILE_CONFIGS[row]
+    # The rows the precision's kernels read: the forward format's, and the backward's
+    # (which also tiles the weight gradients) where it differs (fp8_bwd).
+    tables = {(arch, f.name): configs.TILE_CONFIGS[arch, f.name] for f in (precision.forward, precision.dgrad)}
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
     for comm_sms, changes in variants:
         # Each variant's tiles key buffers of their own in the fused backend.
-        configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
+        for row, table in tables.items():
+            configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
         tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
         label = f"comm_sms={comm_sms} tiles={tiles}"
         settings = OperatorSettings(precision=args.precision, backend="fused", capacity_tokens_per_rank=args.tokens,
