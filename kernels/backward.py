@@ -178,7 +178,8 @@ layout's block)."""
 def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tensor | None,
                  scale_k: int) -> torch.Tensor:
     """Received ``rows`` in the activation dtype: as they are, or, with ``scales`` (e4m3
-    rows, one scale per ``scale_k`` columns), dequantized, each expert's padding rows 0."""
+    rows, one scale per ``scale_k`` columns), dequantized, each expert's padding rows 0
+    (rows past the last expert's blocks unwritten)."""
     if scales is None:
         return rows
     shape = buffers.shape
@@ -187,8 +188,8 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
     grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
     dequantized_rows_kernel[grid](
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
-        COLS=rows.shape[1], SCALE_K=scale_k, LOCAL_PAD=pad(shape.local_experts), BLOCK_R=block_r,
-        BLOCK_C=DEQUANTIZE_COLS, num_warps=4,
+        COLS=rows.shape[1], SCALE_K=scale_k, LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
+        BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, num_warps=4,
     )
     return out
 

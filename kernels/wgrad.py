@@ -52,23 +52,27 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
 @triton.jit
 def dequantized_rows_kernel(
     t, t_scales, out, num_rows, local_base, local_rows, local_experts,
-    COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """e4m3 received rows ``t [num_rows, COLS]`` times their scales (one per ``SCALE_K``
-    columns) into ``out`` (same shape, its dtype). Rows past their expert's received rows
-    are written as 0: a grouped GEMM over whole blocks then reads zeros there, whatever
-    the buffers held. Program ``(r, c)``: ``BLOCK_R`` rows (dividing the receive layout's
-    block, so they belong to one expert) by ``BLOCK_C`` columns."""
+    columns) into ``out`` (same shape, its dtype). Padding rows of an expert's last
+    ``BLOCK_M`` block are written as 0: a grouped GEMM over whole blocks then reads zeros
+    there, whatever the buffers held. Rows past the last expert's blocks are never read
+    and left as they are (the buffer holds every routing's rows; a call fills a fraction).
+    Program ``(r, c)``: ``BLOCK_R`` rows (dividing ``BLOCK_M``, so they belong to one
+    expert) by ``BLOCK_C`` columns."""
     row0 = tl.program_id(0) * BLOCK_R
     col0 = tl.program_id(1) * BLOCK_C
     expert = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
-    rows = row0 + tl.arange(0, BLOCK_R)
-    live = rows < tl.minimum(tl.load(local_base + expert) + tl.load(local_rows + expert), num_rows)
-    v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)
-    cols = col0 + tl.arange(0, BLOCK_C)
-    at = out + rows[:, None].to(tl.int64) * COLS + cols[None, :]
-    tl.store(at, v.to(out.dtype.element_ty), mask=(rows[:, None] < num_rows) & (cols[None, :] < COLS))
+    base, count = tl.load(local_base + expert), tl.load(local_rows + expert)
+    if row0 < base + tl.cdiv(count, BLOCK_M) * BLOCK_M:
+        rows = row0 + tl.arange(0, BLOCK_R)
+        live = rows < tl.minimum(base + count, num_rows)
+        v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)
+        cols = col0 + tl.arange(0, BLOCK_C)
+        at = out + rows[:, None].to(tl.int64) * COLS + cols[None, :]
+        tl.store(at, v.to(out.dtype.element_ty), mask=(rows[:, None] < num_rows) & (cols[None, :] < COLS))
 
 
 @triton.jit

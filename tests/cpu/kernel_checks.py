@@ -266,17 +266,18 @@ def _assert_dequantized(got: torch.Tensor, want: torch.Tensor, case) -> None:
 
 def check_dequantized_rows(device, seed: int) -> None:
     """``dequantized_rows_kernel`` on a receive layout of three local experts (5 rows, none,
-    20; blocks of 16): each expert's rows equal ``reference.dequantize_blocks`` of the e4m3
-    rows rounded to the output dtype (the interpreter rounds to bf16 by truncation: within
-    a bf16 step there), and its padding rows are 0 although their bytes and scales are
-    NaN. Both row formats, a partial last scale block."""
+    20; blocks of 16) in a buffer of 64 rows, programs of 8 rows: each expert's rows equal
+    ``reference.dequantize_blocks`` of the e4m3 rows rounded to the output dtype (the
+    interpreter rounds to bf16 by truncation: within a bf16 step there), its padding rows
+    up to the block's end are 0 although their bytes and scales are NaN, and the rows past
+    the last block are left as they were. Both row formats, a partial last scale block."""
     from titan_megamoe.kernels.wgrad import dequantized_rows_kernel
 
     g = torch.Generator().manual_seed(seed)
     block, cols = 16, 200
     local_rows = torch.tensor([5, 0, 20], dtype=torch.int32)
     local_base = torch.tensor([0, 16, 16], dtype=torch.int32)
-    num_rows = 48
+    num_rows, used = 64, 48
     live = torch.zeros(num_rows, dtype=torch.bool)
     for base, count in zip(local_base.tolist(), local_rows.tolist()):
         live[base : base + count] = True
@@ -289,16 +290,18 @@ def check_dequantized_rows(device, seed: int) -> None:
         values = torch.where(live[:, None], dequantize_blocks(q, scales, fmt.activation_block), 0.0)
         for dtype in (torch.float32, torch.bfloat16):
             out = torch.full((num_rows, cols), float("nan"), dtype=dtype, device=device)
-            dequantized_rows_kernel[(num_rows // block, triton.cdiv(cols, 128))](
+            dequantized_rows_kernel[(num_rows // 8, triton.cdiv(cols, 128))](
                 q.to(device), scales.to(device), out, num_rows, local_base.to(device), local_rows.to(device), 3,
-                COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, BLOCK_R=block, BLOCK_C=128,
+                COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, BLOCK_M=block, BLOCK_R=8, BLOCK_C=128,
             )
             got = out.cpu()
             case = (fmt.name, str(dtype), f"seed {seed}")
-            assert torch.equal(got[~live], torch.zeros_like(got[~live])), case + ("padding rows",)
+            assert got[used:].isnan().all(), case + ("rows past the last block",)
+            got, expected, padding = got[:used], values[:used], ~live[:used]
+            assert torch.equal(got[padding], torch.zeros_like(got[padding])), case + ("padding rows",)
             if dtype == torch.bfloat16 and INTERPRET:
-                step = 2.0**-7 * values.abs() + torch.finfo(dtype).tiny
-                assert ((got.float() - values).abs() <= step).all(), case
+                step = 2.0**-7 * expected.abs() + torch.finfo(dtype).tiny
+                assert ((got.float() - expected).abs() <= step).all(), case
             else:
-                want = values.to(dtype)
+                want = expected.to(dtype)
                 assert torch.equal(got, want), case + (_first_difference(got, want),)
