@@ -98,11 +98,12 @@ def dispatch_grad_gemm1_kernel(
         )
 
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
-        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = n_tile * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
-            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
+            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
                            TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
@@ -111,7 +112,7 @@ def dispatch_grad_gemm1_kernel(
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
-            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, cols, 0, HIDDEN, INTER, HIDDEN,
+            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, n0, 0, HIDDEN, INTER, HIDDEN,
             TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ, UPCAST_DOT,
         )
 

@@ -35,15 +35,12 @@ from titan_megamoe.kernels.sync import (
 
 
 @triton.jit
-def copy_scales(src, token, dst, dest, c0, live, HIDDEN: tl.constexpr, SCALE_K: tl.constexpr,
-                COPY_COLS: tl.constexpr):
-    """The scales of columns ``[c0, c0 + COPY_COLS)`` of each token's row in ``src`` to the
-    row ``dest`` of ``dst`` (both ``[*, cdiv(HIDDEN, SCALE_K)]``)."""
+def _scale_chunk(rows, c0, live, HIDDEN: tl.constexpr, SCALE_K: tl.constexpr, COPY_COLS: tl.constexpr):
+    """Offsets and mask of the scales of columns ``[c0, c0 + COPY_COLS)`` of ``rows`` in a
+    ``[*, cdiv(HIDDEN, SCALE_K)]`` scale tensor."""
     SCALE_COLS: tl.constexpr = tl.cdiv(HIDDEN, SCALE_K)
     kb = c0 // SCALE_K + tl.arange(0, COPY_COLS // SCALE_K)
-    mask = live[:, None] & (kb[None, :] < SCALE_COLS)
-    scales = tl.load(src + token[:, None] * SCALE_COLS + kb[None, :], mask=mask)
-    tl.store(dst + dest[:, None] * SCALE_COLS + kb[None, :], scales, mask=mask)
+    return rows[:, None] * SCALE_COLS + kb[None, :], live[:, None] & (kb[None, :] < SCALE_COLS)
 
 
 @triton.jit
@@ -82,48 +79,66 @@ def dispatch_item(
     if ROW_SCALE_K > 0:
         recv_scales = peer_pointer(recv_scales, recv_ptrs, owner, rank)
     meta = peer_pointer(recv_meta, meta_ptrs, owner, rank)
-    send_input = True
+    input_rows = rows  # the rows whose expert inputs this call sends
     if WITH_GRAD:
         recv_grad = peer_pointer(recv_grad, grad_ptrs, owner, rank)
         if GRAD_SCALE_K > 0:
             recv_grad_scales = peer_pointer(recv_grad_scales, grad_ptrs, owner, rank)
         recv_score = peer_pointer(recv_score, score_ptrs, owner, rank)
-        send_input = tl.load(flags + NEEDS_INPUT + owner, volatile=True) != 0
+        input_rows = rows * (tl.load(flags + NEEDS_INPUT + owner, volatile=True) != 0).to(tl.int32)
+    # A copy is bound by the latency of its loads, not by bandwidth: each step issues
+    # every load it can (the next step's row indices, a column chunk of x and of dy with
+    # their scales) before its first store, since a load written after a store waits for it.
+    COPY_X_SCALES: tl.constexpr = (ROW_SCALE_K > 0) & (not SCORE_BEFORE_EXPERTS)
+    COPY_DY_SCALES: tl.constexpr = WITH_GRAD & (GRAD_SCALE_K > 0)
+    steps = tl.arange(0, COPY_ROWS)
+    next_flat = tl.load(order + first + steps, mask=steps < rows, other=0)
     for r0 in range(0, rows, COPY_ROWS):
-        r = r0 + tl.arange(0, COPY_ROWS)
+        r = r0 + steps
         live = r < rows
-        flat = tl.load(order + first + r, mask=live, other=0)
+        x_live = r < input_rows
+        flat = next_flat
+        next_flat = tl.load(order + first + COPY_ROWS + r, mask=r + COPY_ROWS < rows, other=0)
         token = (flat // TOP_K).to(tl.int64)
         dest = (dest0 + r).to(tl.int64)
-        if send_input:
-            tl.store(meta + dest, rank * rows_per_rank + flat, mask=live)
         score = tl.load(topk_w + flat, mask=live & (SCORE_BEFORE_EXPERTS | WITH_GRAD), other=1.0)
+        tl.store(meta + dest, rank * rows_per_rank + flat, mask=x_live)
         if WITH_GRAD:
             tl.store(recv_score + dest, score, mask=live)
         for c0 in range(0, HIDDEN, COPY_COLS):
             c = c0 + tl.arange(0, COPY_COLS)
-            mask = live[:, None] & (c[None, :] < HIDDEN)
+            c_ok = c[None, :] < HIDDEN
+            mask = live[:, None] & c_ok
+            x_mask = x_live[:, None] & c_ok
             src = token[:, None] * HIDDEN + c[None, :]
             dst = dest[:, None] * HIDDEN + c[None, :]
-            if send_input:
-                v = tl.load(x + src, mask=mask, other=0.0)
-                if SCORE_BEFORE_EXPERTS:
-                    v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
-                if (ROW_SCALE_K > 0) & SCORE_BEFORE_EXPERTS:
-                    SCALE_COLS: tl.constexpr = tl.cdiv(HIDDEN, ROW_SCALE_K)
-                    kb = c0 // ROW_SCALE_K + tl.arange(0, COPY_COLS // ROW_SCALE_K)
-                    q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
-                    tl.store(recv + dst, q, mask=mask)
-                    tl.store(recv_scales + dest[:, None] * SCALE_COLS + kb[None, :], scales,
-                             mask=live[:, None] & (kb[None, :] < SCALE_COLS))
-                else:
-                    tl.store(recv + dst, v, mask=mask)
-                    if ROW_SCALE_K > 0:
-                        copy_scales(x_scales, token, recv_scales, dest, c0, live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+            v = tl.load(x + src, mask=x_mask, other=0.0)
+            if COPY_X_SCALES:
+                x_scale_src, x_scale_mask = _scale_chunk(token, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+                x_scale_dst, _ = _scale_chunk(dest, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+                x_scale = tl.load(x_scales + x_scale_src, mask=x_scale_mask)
             if WITH_GRAD:
-                tl.store(recv_grad + dst, tl.load(dy + src, mask=mask), mask=mask)
-                if GRAD_SCALE_K > 0:
-                    copy_scales(dy_scales, token, recv_grad_scales, dest, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
+                g = tl.load(dy + src, mask=mask)
+            if COPY_DY_SCALES:
+                dy_scale_src, dy_scale_mask = _scale_chunk(token, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
+                dy_scale_dst, _ = _scale_chunk(dest, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
+                dy_scale = tl.load(dy_scales + dy_scale_src, mask=dy_scale_mask)
+            if SCORE_BEFORE_EXPERTS:
+                v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
+            if (ROW_SCALE_K > 0) & SCORE_BEFORE_EXPERTS:
+                # Each (token, slot) row differs: quantized here, after scaling.
+                q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
+                scale_dst, scale_mask = _scale_chunk(dest, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+                tl.store(recv + dst, q, mask=x_mask)
+                tl.store(recv_scales + scale_dst, scales, mask=scale_mask)
+            else:
+                tl.store(recv + dst, v, mask=x_mask)
+            if COPY_X_SCALES:
+                tl.store(recv_scales + x_scale_dst, x_scale, mask=x_scale_mask)
+            if WITH_GRAD:
+                tl.store(recv_grad + dst, g, mask=mask)
+            if COPY_DY_SCALES:
+                tl.store(recv_grad_scales + dy_scale_dst, dy_scale, mask=dy_scale_mask)
     peer_flags = peer_pointer(flags, flag_ptrs, owner, rank)
     signal(peer_flags + CHUNK_READY + (rank * local_experts + le) * MAX_CHUNKS + chunk, epoch)
 
@@ -204,7 +219,7 @@ def dispatch_gemm1_kernel(
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-        g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols, HIDDEN, INTER,
+        g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
                        TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
@@ -226,15 +241,16 @@ def dispatch_gemm1_kernel(
 
 @triton.jit
 def gate_up(
-    recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, cols,
+    recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     MX_DOT: tl.constexpr, QUANTIZE_A: tl.constexpr,
 ):
-    """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x ``cols``, in one
-    mainloop (both weights share each tile of ``x``); scaled when ``SCALE_K`` > 0, the rows
-    quantized as they are read with ``QUANTIZE_A`` (``tile_gemm``)."""
+    """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x the BLOCK_N
+    columns from ``n0``, in one mainloop (both weights share each tile of ``x``); scaled
+    when ``SCALE_K`` > 0, the rows quantized as they are read with ``QUANTIZE_A``
+    (``tile_gemm``)."""
     return tile_gemm(
-        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, cols, 0, HIDDEN, INTER, HIDDEN,
+        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN, INTER, HIDDEN,
         BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
     )

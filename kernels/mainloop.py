@@ -82,7 +82,7 @@ def _upcast_cols(x, scale, SCALE_K: tl.constexpr):
 
 @triton.jit
 def tile_gemm(
-    a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, k_start, k_end,
+    a, a_scale, rows, b, b_scale, b2, b2_scale, expert, n0, k_start, k_end,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
@@ -92,7 +92,8 @@ def tile_gemm(
     ``(A B^T, A B2^T)``.
 
     ``rows``: BLOCK_M row indices, every one readable (rows past the caller's end are
-    computed, not masked); ``cols``: BLOCK_N indices into N, those ``>= N`` masked.
+    computed, not masked); ``n0``: the tile's first column, a multiple of BLOCK_N (columns
+    ``>= N`` are masked).
     ``k_start``, ``k_end``: multiples of the K step (``SCALE_K`` when promoting, else
     ``BLOCK_K``), ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
@@ -110,9 +111,14 @@ def tile_gemm(
         tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "an MX dot takes whole 1 x SCALE_K blocks")
     else:
         tl.static_assert(not QUANTIZE_A, "A is quantized on read only for an MX dot")
+    # A tile inside one weight scale block (blockwise fp8's 128 x 128) has one B scale per
+    # K block: the promotion is then one FMA per element (the row scales times it), not
+    # a multiply by each column's scale and an FMA.
+    UNIFORM_B_SCALE: tl.constexpr = PROMOTE & (B_SCALE_N % BLOCK_N == 0)
     # One pass of the K loop covers a scale block when promoting, else one BLOCK_K step.
     STEP: tl.constexpr = SCALE_K if PROMOTE else BLOCK_K
     ks = tl.arange(0, BLOCK_K)
+    cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = (cols < N) | (N % BLOCK_N == 0)
     # Pointers are built once, before the K loop, which only adds k: offsets recomputed
     # inside the loop keep the compiler from pipelining its loads.
@@ -129,7 +135,10 @@ def tile_gemm(
         if not QUANTIZE_A:
             sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
         if B_SCALE_N > 0:
-            sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
+            if UNIFORM_B_SCALE:
+                sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + n0 // B_SCALE_N) * K_BLOCKS
+            else:
+                sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
             sb_ptrs = b_scale + sb_offsets
             if TWO_B:
                 sb2_ptrs = b2_scale + sb_offsets
@@ -205,10 +214,15 @@ def tile_gemm(
                     part2 = _dot(x, y2, part2, UPCAST_DOT)
             if SCALE_K > 0:
                 kb = k0 // SCALE_K
-                sa = tl.load(sa_ptrs + kb)[:, None]
-                acc += part * sa * tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)[None, :]
-                if TWO_B:
-                    acc2 += part2 * sa * tl.load(sb2_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+                sa = tl.load(sa_ptrs + kb)
+                if UNIFORM_B_SCALE:
+                    acc += part * (sa * tl.load(sb_ptrs + kb))[:, None]
+                    if TWO_B:
+                        acc2 += part2 * (sa * tl.load(sb2_ptrs + kb))[:, None]
+                else:
+                    acc += part * sa[:, None] * tl.load(sb_ptrs + kb, mask=col_ok, other=0.0)[None, :]
+                    if TWO_B:
+                        acc2 += part2 * sa[:, None] * tl.load(sb2_ptrs + kb, mask=col_ok, other=0.0)[None, :]
             else:
                 acc = part
                 if TWO_B:

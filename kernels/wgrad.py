@@ -125,7 +125,7 @@ def wgrad_kernel(
     m_rows = m0 + tl.arange(0, BLOCK_M)
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
-        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n_cols, k_start, k_end, N, KT,
+        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n0, k_start, k_end, N, KT,
         BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, MX_DOT, False, UPCAST_DOT,
     )
     if SPLIT_M > 0:

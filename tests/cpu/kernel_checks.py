@@ -29,18 +29,19 @@ def gemm_tile_kernel(
 ):
     """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     at = rows[:, None] * N + cols[None, :]
     mask = (rows[:, None] < num_rows) & (cols[None, :] < N)
     if TWO_B:
         acc, acc2 = tile_gemm(
-            a, a_scale, rows, b, b_scale, b2, b2_scale, expert, cols, 0, K, N, K,
+            a, a_scale, rows, b, b_scale, b2, b2_scale, expert, n0, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
-            a, a_scale, rows, b, b_scale, None, None, expert, cols, 0, K, N, K,
+            a, a_scale, rows, b, b_scale, None, None, expert, n0, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
         )
     tl.store(out + at, acc, mask=mask)

@@ -27,6 +27,7 @@ def _mainloop(rank, world, m, n, k, block_n, block_ks):
     [
         (16, 32, 256, 32, (16, 32, 64)),  # whole tiles and scale blocks
         (13, 150, 200, 32, (16, 32)),  # K and N tails: partial last K step, scale block and N tile
+        (16, 300, 256, 256, (32,)),  # a tile across two weight scale blocks (per-column B scales)
     ],
 )
 def test_mainloop_matches_reference(m, n, k, block_n, block_ks, monkeypatch):
