@@ -16,9 +16,11 @@ import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.transpose import transposed_side_by_side
-from titan_megamoe.precision import E4M3_MAX, Format
+from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
+_INV_E4M3_MAX = tl.constexpr(1.0 / E4M3_MAX)  # a Python float: an fp64 constant next to fp64 operands
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INTERPRET = tl.constexpr(INTERPRET)
 
 ROWS_PER_PROGRAM, COLS_PER_PROGRAM = 16, 512
@@ -33,9 +35,10 @@ def _exponent(v):
 
 @triton.jit
 def _round_to_e4m3(v):
-    """``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still in fp32,
-    so that the conversion to e4m3 after it is exact (the Triton interpreter's fp32 -> fp8
-    conversion drops the carry of its rounding into the exponent; GPUs convert right)."""
+    """``v`` (``|v| <= 448``, or one rounding above) rounded to the nearest e4m3 value, ties
+    to even, still in fp32, so that the conversion to e4m3 after it is exact (the Triton
+    interpreter's fp32 -> fp8 conversion drops the carry of its rounding into the exponent;
+    GPUs convert right)."""
     # e4m3 spacing in binade 2^e is 2^(e - 3); below 2^-6 (subnormals) it stays 2^-9.
     e = tl.maximum(_exponent(tl.abs(v)), -6)
     # |v| + 1.5 * 2^(e + 20) lies in a binade whose fp32 ulp is that spacing: the addition
@@ -49,34 +52,65 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _to_e4m3(v):
-    """fp32 ``v`` (``|v| <= 448``) to e4m3, rounded to nearest, ties to even. On a GPU the
-    conversion instruction rounds so; the interpreter's conversion needs the values
-    rounded first (``_round_to_e4m3``), which on a GPU would only add instructions to the
-    quantizers (docs/perf.md v16)."""
+    """fp32 ``v`` (``|v| <= 448``, or one rounding above) to e4m3, rounded to nearest, ties
+    to even. On a GPU the conversion instruction rounds so; the interpreter's conversion
+    needs the values rounded first (``_round_to_e4m3``), which on a GPU would only add
+    instructions to the quantizers (docs/perf.md v16)."""
     if _INTERPRET:
         v = _round_to_e4m3(v)
     return v.to(tl.float8e4nv)
 
 
 @triton.jit
+def _over_e4m3_max(v):
+    """``v / 448`` correctly rounded to fp32, for fp32 ``v >= 2^-117``, without a division
+    (a correctly rounded one calls a slow path, whose call spills registers): the fp64
+    product ``v * (1 / 448)`` is within 2^-52 of the quotient, which (a 24-bit significand
+    over 7) never lies within 2^-27 of a point where fp32 rounding changes. Checked for
+    every such fp32 ``v``."""
+    return (v.to(tl.float64) * _INV_E4M3_MAX).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_max_over(v):
+    """``448 / v`` correctly rounded to fp32, for fp32 ``v`` in ``[2^-117, 2^128)``, without
+    a division: the reciprocal of ``v``'s significand (an approximate fp32 division,
+    within 2^-21) refined twice by Newton's method in fp64 is within 2^-51 of the quotient,
+    which (448 over a 24-bit significand) never lies within 2^-49 of a point where fp32
+    rounding changes. Checked for every significand, with the seed 2 ulp off."""
+    e = _exponent(v)
+    significand = ((v.to(tl.int32, bitcast=True) & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    s = significand.to(tl.float64)
+    r = (1.0 / significand).to(tl.float64)
+    r = r + r * (1.0 - s * r)
+    r = r + r * (1.0 - s * r)
+    two_to_minus_e = ((1023 - e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    return (r * (two_to_minus_e * _E4M3_MAX)).to(tl.float32)
+
+
+@triton.jit
 def e4m3_scale(amax, POWER_OF_TWO: tl.constexpr):
-    """The scale of a block whose largest magnitude is ``amax`` (fp32, any shape):
-    ``amax / 448``, or with ``POWER_OF_TWO`` the power of two rounded up from it (UE8M0,
-    RCEIL); 1 for an all-zero block."""
-    # Correctly rounded divisions, as torch's (Triton's plain fp32 `/` is approximate on GPUs).
-    ratio = tl.div_rn(amax, _E4M3_MAX)
+    """``(scale, multiplier)`` of a block whose largest magnitude is ``amax`` (fp32, any
+    shape): the scale ``amax / 448`` (``amax`` floored at ``AMAX_FLOOR``), or with
+    ``POWER_OF_TWO`` the power of two rounded up from it (UE8M0, RCEIL); 1 for an all-zero
+    block. The block's values are quantized as ``value * multiplier``: ``448 / amax``, the
+    exact reciprocal of a power-of-two scale. Everything here is exact (correctly rounded
+    where it rounds), as the reference computes it."""
     if POWER_OF_TWO:
-        # ceil(log2(ratio)) from its bits, exactly: the exponent, plus one unless the
-        # mantissa is zero. Subnormal ratios (< 2^-126) round up to 2^-126 above 2^-127,
-        # else to UE8M0's smallest scale, 2^-127. Ratios stay below 2^120 (fp32 max / 448).
-        e = _exponent(ratio)
-        mantissa = ratio.to(tl.int32, bitcast=True) & 0x7FFFFF
-        e = tl.where(e > -127, e + (mantissa != 0).to(tl.int32), -127 + (mantissa > 0x400000).to(tl.int32))
+        # ceil(log2(amax / 448)) from amax's bits: amax = m * 2^E with m in [1, 2) and
+        # 448 = 1.75 * 2^8, so it is E - 8, plus one when m > 1.75. Subnormal amax (E = -127)
+        # and amax / 448 <= 2^-127 get UE8M0's smallest scale, 2^-127; amax < 2^128 keeps
+        # e <= 120, so 2^-e is a normal number.
+        bits = amax.to(tl.int32, bitcast=True)
+        e = tl.maximum(_exponent(amax) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
         # 2^e; 2^-127 itself is subnormal: mantissa bit 22 alone.
         scale = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+        multiplier = ((127 - e) << 23).to(tl.float32, bitcast=True)
     else:
-        scale = ratio
-    return tl.where(amax > 0, scale, 1.0)
+        floored = tl.maximum(amax, _AMAX_FLOOR)
+        scale = _over_e4m3_max(floored)
+        multiplier = _e4m3_max_over(floored)
+    return tl.where(amax > 0, scale, 1.0), tl.where(amax > 0, multiplier, 1.0)
 
 
 @triton.jit
@@ -89,8 +123,8 @@ def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
     BLOCK_COLS: tl.constexpr = values.shape[1]
     tl.static_assert(BLOCK_COLS % SCALE_K == 0, "SCALE_K must divide the tile's columns")
     blocks = tl.reshape(values, (BLOCK_ROWS, BLOCK_COLS // SCALE_K, SCALE_K))
-    scale = e4m3_scale(tl.max(tl.abs(blocks), axis=2), POWER_OF_TWO)
-    q = _to_e4m3(tl.div_rn(blocks, scale[:, :, None]))
+    scale, multiplier = e4m3_scale(tl.max(tl.abs(blocks), axis=2), POWER_OF_TWO)
+    q = _to_e4m3(blocks * multiplier[:, :, None])
     return tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS)), scale
 
 
@@ -168,8 +202,8 @@ def quantize_weight_blocks_kernel(
     cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     values = tl.load(w + e * N * K + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), POWER_OF_TWO)
-    block_q = _to_e4m3(tl.div_rn(values, scale))
+    scale, multiplier = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), POWER_OF_TWO)
+    block_q = _to_e4m3(values * multiplier)
     if TRANSPOSE:
         at = e * K * OUT_COLS + cols[:, None] * OUT_COLS + col0 + rows[None, :]
         tl.store(q + at, tl.trans(block_q), mask=tl.trans(mask))

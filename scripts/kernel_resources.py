@@ -6,8 +6,9 @@
 Runs the fused forward and backward (GEMM1 saved and recomputed, both score modes) on CPU
 tensors with every Triton launch replaced by a compile for the architecture's target
 (``sm_90a``, or ``sm_100a`` for the tile table's Blackwell rows), and prints, per kernel
-variant, its shared memory, registers per thread, spill (stack) bytes and MMA
-instructions, read from the compiled binary. A kernel whose shared memory exceeds the
+variant, its shared memory, registers per thread, spill (stack) bytes, machine
+instructions (how many, subroutine calls, local-memory accesses) and MMA instructions,
+read from the compiled binary. A kernel whose shared memory exceeds the
 architecture's limit cannot launch; spills cost time (and, on first launch, a
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
@@ -68,18 +69,31 @@ class CompileOnlyCuda(CudaDriver):
         return torch.device("cpu")
 
 
-def _usage(cubin: bytes) -> dict[str, int]:
-    """Registers, stack and shared bytes of a cubin, as ``cuobjdump -res-usage`` reports."""
+def _cuobjdump(cubin: bytes, option: str) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        report = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)
+"""The opcode of each instruction line of ``cuobjdump -sass`` (after its predicate)."""
+
+
+def _usage(cubin: bytes) -> dict[str, int]:
+    """Registers and stack bytes of a cubin, as ``cuobjdump -res-usage`` reports them, and
+    from its machine code: instructions, subroutine calls (a correctly rounded division's
+    slow path is one; the registers live across a call are spilled) and local-memory
+    loads and stores (spills)."""
+    report = _cuobjdump(cubin, "-res-usage")
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", report)
     if found is None:
         raise RuntimeError(f"cuobjdump reported no resource usage:\n{report}")
     regs, stack, _static_shared = map(int, found.groups())
-    return {"registers": regs, "stack_bytes": stack}
+    opcodes = SASS_OPCODE.findall(_cuobjdump(cubin, "-sass"))
+    return {"registers": regs, "stack_bytes": stack, "instructions": len(opcodes),
+            "calls": opcodes.count("CALL"), "local_accesses": opcodes.count("STL") + opcodes.count("LDL")}
 
 
 def _mma_shapes(ptx: str) -> str:
@@ -163,11 +177,13 @@ def main(argv=None) -> int:
         run_fused(name, args.shape, args.arch)
         results[name] = list(records)
         print(f"\n{name} ({args.shape}, {target})")
-        print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s}  mma")
+        print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s} "
+              f"{'instr':>6s} {'calls':>5s} {'STL/LDL':>7s}  mma")
         for r in records:
             over = "  > limit" if r["shared_bytes"] > limit else ""
             print(f"{r['kernel']:30s} {r['num_warps']:5d} {r['num_stages']:6d} {r['shared_bytes'] / 1024:9.1f} "
-                  f"{r['registers']:4d} {r['stack_bytes']:7d}  {r['mma']}{over}")
+                  f"{r['registers']:4d} {r['stack_bytes']:7d} {r['instructions']:6d} {r['calls']:5d} "
+                  f"{r['local_accesses']:7d}  {r['mma']}{over}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_resources.json").write_text(json.dumps(

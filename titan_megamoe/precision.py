@@ -16,6 +16,10 @@ E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 UE8M0_EXP_MIN, UE8M0_EXP_MAX = -127, 127
 """Range of the power-of-two exponent a UE8M0 scale can hold."""
+AMAX_FLOOR = 2.0**-117
+"""Smallest block maximum an fp32 scale is computed from: above it ``amax / 448`` is a
+normal fp32 number and ``448 / amax`` finite (blocks of smaller nonzero values are scaled
+as if their maximum were this; DeepSeek-V3's quantizer floors at 1e-4)."""
 
 
 @dataclass(frozen=True)

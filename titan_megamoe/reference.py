@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titan_megamoe.precision import E4M3_MAX, UE8M0_EXP_MAX, UE8M0_EXP_MIN, Format, Precision
+from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, UE8M0_EXP_MAX, UE8M0_EXP_MIN, Format, Precision
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius error ``|actual - expected| / |expected|``, the measure every
@@ -84,8 +84,11 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool):
     """``t [..., rows, cols]`` as e4m3 values and one fp32 scale per ``block`` of its last
     two dimensions (edge blocks may be partial): ``t ~= q * scale``. The scale is
-    ``amax / 448``, or with ``power_of_two`` the power of two rounded up from it (UE8M0,
-    RCEIL); an all-zero block gets scale 1.
+    ``amax / 448`` (``amax`` floored at ``AMAX_FLOOR``), or with ``power_of_two`` the power
+    of two rounded up from it (UE8M0, RCEIL); an all-zero block gets scale 1. Values are
+    multiplied by the block's *multiplier*, ``448 / amax`` (the exact reciprocal of a
+    power-of-two scale), and rounded to e4m3: one multiplication per element, as
+    DeepSeek-V3's and torchao's quantizers do, rather than a division.
 
     Returns ``(q [..., rows, cols] float8_e4m3fn, scales [..., ceil(rows / br), ceil(cols / bc)]
     fp32)``: what the kernels' row-quantize helper stores (and, for ``[experts, N, K]``
@@ -97,26 +100,30 @@ def quantize_blocks(t: torch.Tensor, block: tuple[int, int], power_of_two: bool)
     padded = F.pad(t.float(), (0, pad_c, 0, pad_r))
     blocks = padded.view(*lead, (rows + pad_r) // br, br, (cols + pad_c) // bc, bc)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
-    # A tensor divisor: on CUDA, torch divides by a Python number as a multiplication by
-    # its rounded reciprocal, one ulp off the correctly rounded quotient.
-    ratio = amax / amax.new_full((), E4M3_MAX)
     if power_of_two:
-        # ceil(log2(amax / 448)) exactly (log2 in fp32 can round just above a power of two
-        # down onto it): amax / 448 = m * 2^e with m in [0.5, 1).
-        mantissa, exponent = torch.frexp(ratio)
-        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
+        # ceil(log2(amax / 448)), exactly: amax = m * 2^E with m in [0.5, 1) and
+        # 448 = 0.875 * 2^9, so it is E - 9, plus one when m > 0.875.
+        mantissa, exponent = torch.frexp(amax)
+        exponent = (exponent - 9 + (mantissa > 0.875).int()).clamp(UE8M0_EXP_MIN, UE8M0_EXP_MAX)
         scale = torch.where(amax > 0, torch.exp2(exponent), torch.ones_like(amax))
+        multiplier = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
     else:
-        scale = torch.where(amax > 0, ratio, torch.ones_like(amax))
-    q = round_to_e4m3(blocks / scale).to(torch.float8_e4m3fn)
+        # Tensor operands: on CUDA, torch divides by a Python number as a multiplication by
+        # its rounded reciprocal, and `number / tensor` is a reciprocal times the number.
+        e4m3_max = amax.new_full((), E4M3_MAX)
+        floored = amax.clamp_min(AMAX_FLOOR)
+        scale = torch.where(amax > 0, floored / e4m3_max, torch.ones_like(amax))
+        multiplier = torch.where(amax > 0, e4m3_max / floored, torch.ones_like(amax))
+    q = round_to_e4m3(blocks * multiplier).to(torch.float8_e4m3fn)
     q = q.view(*lead, rows + pad_r, cols + pad_c)[..., :rows, :cols]
     return q, scale.view(*lead, scale.shape[-4], scale.shape[-2])
 
 
 def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still in
-    fp32: the cast to e4m3 after it is then exact on every device (the same values must
-    come out of the spec on CPUs and GPUs, whose casts were seen to disagree)."""
+    """fp32 ``v`` (``|v| <= 448``, or one rounding above) rounded to the nearest e4m3 value,
+    ties to even, still in fp32: the cast to e4m3 after it is then exact on every device
+    (the same values must come out of the spec on CPUs and GPUs, whose casts were seen to
+    disagree)."""
     _, exponent = torch.frexp(v)  # v = m * 2^exponent, 0.5 <= |m| < 1
     # Three mantissa bits: spacing 2^(exponent - 4); subnormals (below 2^-6) keep 2^-9.
     step = torch.exp2((exponent - 4).clamp_min(-9).to(torch.float32))

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.mainloop import mx_dot, tile_gemm
-from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
-from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Format
+from titan_megamoe.kernels.quantize import e4m3_scale, quantize_rows, quantize_transposed, quantize_weights
+from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK, MXFP8, NATIVE, UE8M0_EXP_MIN, Format
 from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
 
 
@@ -155,6 +155,51 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
                 for got, want in zip(outs[: 1 + two_b], expected):
                     err = relative_error(got.cpu(), want)
                     assert err <= tolerances[name], (name, m, n, k, block_k, two_b, err, f"seed {seed}")
+
+
+@triton.jit
+def block_scales_kernel(amax, scales, multipliers, n, POWER_OF_TWO: tl.constexpr, BLOCK: tl.constexpr):
+    """``e4m3_scale`` of each of ``amax [n]``."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = at < n
+    scale, multiplier = e4m3_scale(tl.load(amax + at, mask=live, other=0.0), POWER_OF_TWO)
+    tl.store(scales + at, scale, mask=live)
+    tl.store(multipliers + at, multiplier, mask=live)
+
+
+def check_block_scales(device, exponent_fields: list[int]) -> None:
+    """``e4m3_scale`` for block maxima of every fp32 significand under each of
+    ``exponent_fields`` (the biased exponent bits; 0: subnormals), and 0, bit for bit: fp32
+    scales and multipliers are the correctly rounded ``amax / 448`` and ``448 / amax``
+    (``amax`` floored at ``AMAX_FLOOR``); a power-of-two scale is the smallest power of two
+    (at least 2^-127) with ``448 * scale >= amax`` and its multiplier is its reciprocal;
+    every scale is the reference's."""
+    significands = torch.arange(1 << 23, dtype=torch.int32)
+    bits = torch.cat([torch.zeros(1, dtype=torch.int32)] + [significands | (f << 23) for f in exponent_fields])
+    amax = bits.view(torch.float32)
+    positive = amax > 0
+    e4m3_max = torch.tensor(E4M3_MAX)
+    for power_of_two in (False, True):
+        scales, multipliers = (torch.full_like(amax, float("nan"), device=device) for _ in range(2))
+        block = 1 << 16
+        block_scales_kernel[(triton.cdiv(len(amax), block),)](
+            amax.to(device), scales, multipliers, len(amax), POWER_OF_TWO=power_of_two, BLOCK=block,
+        )
+        scales, multipliers = scales.cpu(), multipliers.cpu()
+        if power_of_two:
+            s, m, a = scales.double(), multipliers.double(), amax.double()
+            smallest = (E4M3_MAX * s >= a) & ((E4M3_MAX * s / 2 < a) | (s == 2.0**UE8M0_EXP_MIN))
+            ok = torch.where(positive, smallest & (s * m == 1), (s == 1) & (m == 1))
+            assert bool(ok.all()), ("power-of-two scales", _first_difference(ok, torch.ones_like(ok)))
+        else:
+            floored = amax.clamp_min(AMAX_FLOOR)
+            wanted = {"scales": (scales, floored / e4m3_max), "multipliers": (multipliers, e4m3_max / floored)}
+            for what, (got, want) in wanted.items():
+                want = torch.where(positive, want, 1.0)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (what, _first_difference(got, want))
+        _, reference_scales = quantize_blocks(amax[:, None], (1, 1), power_of_two)
+        assert torch.equal(scales.view(torch.int32), reference_scales.flatten().view(torch.int32)), (
+            "reference", power_of_two, _first_difference(scales, reference_scales.flatten()))
 
 
 def quantize_input(rows: int, cols: int, scale_k: int, generator) -> torch.Tensor:

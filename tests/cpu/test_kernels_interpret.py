@@ -1,8 +1,8 @@
 """The kernels' shared helpers under the Triton interpreter, at tiny shapes: the tile-GEMM
 mainloop (blockwise fp8 and mxfp8 operands with their scales, unscaled fp32 and bf16, one
-and two B operands, K and N tails), the row and weight quantizers (bit for bit) and the
-received rows' dequantization, against the reference's ``quantize_blocks`` /
-``dequantize_blocks``; and the tile table's lookups.
+and two B operands, K and N tails), the block scales (every significand of a few binades),
+the row and weight quantizers (bit for bit) and the received rows' dequantization, against
+the reference's ``quantize_blocks`` / ``dequantize_blocks``; and the tile table's lookups.
 
 The interpreter must be switched on before Triton kernels are defined, so each kernel
 check runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
@@ -45,6 +45,19 @@ def _quantize(rank, world):
 def test_quantize_rows_bit_exact(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_quantize, 1, timeout_s=300)
+
+
+def _block_scales(rank, world):
+    from kernel_checks import check_block_scales
+
+    # Subnormal maxima, the two binades below AMAX_FLOOR (the RCEIL tie at 1.75 * 2^-119
+    # among them), the floor's, 1 .. 2 and the largest binade.
+    check_block_scales("cpu", exponent_fields=[0, 8, 9, 10, 127, 254])
+
+
+def test_block_scales_for_every_significand(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_block_scales, 1, timeout_s=600)
 
 
 def _quantize_weights(rank, world):

@@ -172,6 +172,29 @@ def test_ue8m0_scales_round_up_exactly_at_powers_of_two():
     assert scales.flatten().tolist() == [1024.0, 2048.0, 1.0]
 
 
+def test_fp32_scales_multiply_by_448_over_amax_and_floor_tiny_blocks():
+    """fp32 scales: a block is stored as ``value * (448 / amax)`` with scale ``amax / 448``,
+    each correctly rounded; a block whose maximum lies below ``AMAX_FLOOR`` is scaled as if
+    it were the floor (its scale stays a normal fp32 number); every value dequantizes
+    within half an e4m3 step, whatever its magnitude."""
+    from titan_megamoe.precision import AMAX_FLOOR
+    from titan_megamoe.reference import dequantize_blocks, quantize_blocks
+
+    amax = torch.tensor(3.0625)
+    t = torch.tensor([[3.0625, 1.3125], [2.0**-120, -(2.0**-121)]])
+    q, scales = quantize_blocks(t, (1, 2), power_of_two=False)
+    assert torch.equal(scales.flatten(), torch.stack([amax, torch.tensor(AMAX_FLOOR)]) / torch.tensor(448.0))
+    assert q.float().tolist() == [[448.0, 192.0], [56.0, -28.0]]
+    assert scales.min() >= torch.finfo(torch.float32).tiny
+
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-130, 120, (64, 1), generator=g).float())
+    q, scales = quantize_blocks(t, (1, 128), power_of_two=False)
+    back = dequantize_blocks(q, scales, (1, 128))
+    half_step = torch.maximum(t.abs() * 2.0**-4, scales.repeat_interleave(128, -1) * 2.0**-10)
+    assert bool(((back - t).abs() <= half_step * (1 + 1e-6)).all())
+
+
 def test_fp8_rows_cross_the_link_quantized_and_weight_gradients_requantize_them():
     """One expert, top-1, unit scores: the reference's ``y`` and ``dw2`` are exactly the
     spec written out (rows of x and dy quantized once, 1 x 128 along H, before the link;

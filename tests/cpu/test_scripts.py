@@ -574,9 +574,9 @@ def _kernel_resources(tmp_path, *args) -> dict:
 
 def test_every_sm90_kernel_fits_an_h100(tmp_path):
     """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8,
-    fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory: a row
-    that does not fails on the GPU only at its first launch. mxfp8's scaled MMA becomes a
-    bf16 MMA there (Hopper has no MX MMA)."""
+    fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory (a row
+    that does not fails on the GPU only at its first launch) and calls no subroutine.
+    mxfp8's scaled MMA becomes a bf16 MMA there (Hopper has no MX MMA)."""
     report = _kernel_resources(tmp_path, "--precisions", "bf16,fp8,fp8_bwd,mxfp8")
     for name in ("bf16", "fp8", "fp8_bwd", "mxfp8"):
         kernels = {r["kernel"] for r in report["precisions"][name]}
@@ -585,6 +585,10 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
         assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"][name]}
     mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS}
     assert mma and all(m.endswith(".f32.bf16.bf16") for m in mma), mma
+    # No subroutine calls (a correctly rounded division calls its slow path, and the call
+    # spills the registers live across it): the quantizers compute scales without one.
+    calls = [(name, r["kernel"]) for name, records in report["precisions"].items() for r in records if r["calls"]]
+    assert not calls, calls
 
 
 def test_sm100_mxfp8_kernels_compile_to_native_mx_mma(tmp_path):

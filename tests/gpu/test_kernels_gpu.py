@@ -1,7 +1,7 @@
 """The kernels' shared helpers on a GPU at real sizes (a Qwen3-30B-A3B gate/up GEMM shape and
 one with K and N tails), fresh random inputs, poisoned outputs: the tile-GEMM mainloop
-(blockwise fp8 and mxfp8 with their scales, bf16, one and two B operands), the row and the
-weight quantizers (bit for bit), against the reference's ``quantize_blocks`` /
+(blockwise fp8 and mxfp8 with their scales, bf16, one and two B operands), the block
+scales, the row and the weight quantizers (bit for bit), against the reference's ``quantize_blocks`` /
 ``dequantize_blocks``."""
 
 import pytest
@@ -31,6 +31,14 @@ def test_quantize_rows_bit_exact(rows, cols):
     from kernel_checks import check_quantize
 
     check_quantize("cuda", rows, cols, seed=torch.seed() % 2**31)
+
+
+def test_block_scales_for_every_significand():
+    """Block scales and multipliers for every significand in binades across the range, on
+    the GPU, whose fp32 division (the seed of ``448 / amax``) is approximate."""
+    from kernel_checks import check_block_scales
+
+    check_block_scales("cuda", exponent_fields=[0, 1, 8, 9, 10, 11, 64, 126, 127, 128, 190, 253, 254])
 
 
 def test_quantize_weights_bit_exact():
