@@ -135,10 +135,8 @@ def tile_gemm(
         if not QUANTIZE_A:
             sa_ptrs = a_scale + rows.to(tl.int64) * K_BLOCKS
         if B_SCALE_N > 0:
-            if UNIFORM_B_SCALE:
-                sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + n0 // B_SCALE_N) * K_BLOCKS
-            else:
-                sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + cols // B_SCALE_N) * K_BLOCKS
+            scale_cols = n0 if UNIFORM_B_SCALE else cols  # the tile's one scale, or each column's
+            sb_offsets = (tl.cast(expert, tl.int64) * tl.cdiv(N, B_SCALE_N) + scale_cols // B_SCALE_N) * K_BLOCKS
             sb_ptrs = b_scale + sb_offsets
             if TWO_B:
                 sb2_ptrs = b2_scale + sb_offsets
