@@ -24,7 +24,9 @@ Quantized: ``x`` and ``dy`` are quantized once per token before the first kernel
 weights and their transposes (each in its own orientation) on every call for now, the
 dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run quantized on
 token-major copies of their operands quantized along the rows, as the spec says
-(``kernels.wgrad``), instead of torch's grouped GEMM. Native weight gradients after a
+(``kernels.wgrad``), instead of torch's grouped GEMM; or, MX on GPUs without an MX MMA
+(``mx_wgrad_dequantized``), torch's grouped GEMM on copies in the receive layout quantized
+along the rows and dequantized (the same values). Native weight gradients after a
 quantized forward take torch's grouped GEMM on the rows as they crossed: unquantized
 (``mxfp8_wgrad_bf16``: ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
 quantize them as they read them), or quantized and dequantized for it
@@ -78,6 +80,13 @@ class GradBuffers:
         if precision.forward != shape.row_format or (x_link != shape.row_format) != shape.native_resend:
             raise ValueError(f"precision {precision.name!r} does not match the forward buffers' row format "
                              f"{shape.row_format.name} (native_resend = {shape.native_resend})")
+        self.mx_wgrad_block = precision.wgrad.activation_block[1] if (
+            precision.wgrad.scaled_mma and tiles.mx_wgrad_dequantized) else 0
+        """Tokens per MX block of the weight gradients' operands when they are quantized along
+        the tokens in the receive layout (``mx_wgrad_dequantized``); 0 otherwise."""
+        if self.mx_wgrad_block and tiles.block_m % self.mx_wgrad_block:
+            raise ValueError(f"mx_wgrad_dequantized = 1 quantizes whole {self.mx_wgrad_block}-token blocks "
+                             f"of the receive layout; block_m = {tiles.block_m} is not a multiple")
         self.tiles = tiles
         self.grad_format = precision.dgrad
         """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad)."""
@@ -117,6 +126,9 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
         return total + weights * shape.dtype.itemsize
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
     through_dgrad = (rows * 2 * inter + dy_copy) * scaled + weights * weight_bytes
+    if grad.mx_wgrad_block:
+        # Then copies of every operand rounded along the tokens, a GEMM's pair at a time.
+        return total + int(max(through_dgrad, rows * (hidden + 2 * inter) * shape.dtype.itemsize))
     if not grad.wgrad_format.quantized:
         # Then the rows that crossed quantized, dequantized one at a time.
         dequantized = rows * hidden * shape.dtype.itemsize if grad.dy_link.quantized else 0
@@ -176,20 +188,23 @@ layout's block)."""
 
 
 def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tensor | None,
-                 scale_k: int) -> torch.Tensor:
+                 scale_k: int, mx_token_block: int = 0) -> torch.Tensor:
     """Received ``rows`` in the activation dtype: as they are, or, with ``scales`` (e4m3
     rows, one scale per ``scale_k`` columns), dequantized, each expert's padding rows 0
-    (rows past the last expert's blocks unwritten)."""
-    if scales is None:
+    (rows past the last expert's blocks unwritten). ``mx_token_block`` > 0: also quantized
+    along the tokens in MX blocks of that many rows and dequantized again
+    (``dequantized_rows_kernel``)."""
+    if scales is None and not mx_token_block:
         return rows
     shape = buffers.shape
     out = torch.empty(rows.shape, dtype=shape.dtype, device=rows.device)
-    block_r = min(DEQUANTIZE_ROWS, buffers.tiles.block_m)
+    block_r = mx_token_block or min(DEQUANTIZE_ROWS, buffers.tiles.block_m)
     grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
     dequantized_rows_kernel[grid](
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
-        COLS=rows.shape[1], SCALE_K=scale_k, LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
-        BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, num_warps=4,
+        COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0, LOCAL_PAD=pad(shape.local_experts),
+        BLOCK_M=buffers.tiles.block_m, BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, MX_TOKEN_BLOCK=mx_token_block,
+        num_warps=4,
     )
     return out
 
@@ -329,7 +344,7 @@ def fused_backward(
     del w2t, w13t, w2t_scales, w13t_scales, dab_q, dab_scales
 
     wgrad_fmt = grad.wgrad_format
-    if wgrad_fmt.quantized:
+    if wgrad_fmt.quantized and not grad.mx_wgrad_block:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
         # One after the other, so that the first pair of token-major copies (and the
         # quantized forward's h copy) is freed before the second is made.
@@ -339,14 +354,20 @@ def fused_backward(
         del h_wgrad
         wgrad(dab, None, 2 * shape.inter, recv_rows, recv_row_scales, shape.hidden, (dw1, dw3))
     else:
-        # torch's grouped GEMM on the rows in the activation dtype (dequantized one at a
-        # time where they crossed quantized: ``fp8_wgrad_bf16``).
+        # torch's grouped GEMM on the rows in the activation dtype, a pair of operands at a
+        # time: dequantized where they crossed quantized (``fp8_wgrad_bf16``), and for MX
+        # weight gradients (``mx_wgrad_dequantized``) quantized along the tokens and
+        # dequantized again, every operand.
+        mx_block = grad.mx_wgrad_block
         bm = tiles.block_m
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
-        dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k)
-        dw2 = torch._grouped_mm(dy_rows.t(), h_wgrad, offs=ends)
-        del dy_rows, h_wgrad
-        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_scale_k)
+        dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k, mx_block)
+        h_rows = _dequantized(buffers, h_wgrad, None, 0, mx_block)
+        del h_wgrad
+        dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)
+        del dy_rows, h_rows
+        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_scale_k, mx_block)
+        dab = _dequantized(buffers, dab, None, 0, mx_block)
         dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), x_rows, offs=ends)
         dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), x_rows, offs=ends)
 

@@ -85,6 +85,12 @@ class TileConfig:
     """Scaled-MMA formats (mxfp8) only. 1: the mainloop multiplies each e4m3 tile by its
     scales into bf16 itself and runs a bf16 dot (for GPUs without an MX MMA); 0: it hands
     tiles and scales to ``tl.dot_scaled`` (native MX MMA, or Triton's emulation)."""
+    mx_wgrad_dequantized: int = 0
+    """MX weight gradients only. 1: their operands are copied in the receive layout,
+    quantized along the tokens and dequantized into the activation dtype (the same values:
+    power-of-two scales), and torch's grouped GEMM multiplies them (for GPUs without an MX
+    MMA; ``block_m`` must be a multiple of the token block); 0: token-major e4m3 copies
+    and ``wgrad_kernel``'s scaled mainloop."""
     gemm2_m: int = 128
     """Rows per GEMM2 tile, dividing ``block_m``: half a block in half the warps takes half
     the registers and shared memory, so two programs can share an SM and one's epilogue
@@ -97,7 +103,7 @@ class TileConfig:
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
-        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast"):
+        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_wgrad_dequantized"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
 
@@ -145,18 +151,17 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # dequantized to bf16 once per call so that only the rows are converted per K step
     # (fwd+bwd 35.2 ms with Triton's dot_scaled emulation, 27.5 upcasting both operands,
     # 24.7 upcasting the rows only: docs/perf.md v15). Tiles as the bf16 row's with K
-    # steps of two scale blocks (64), but one (32) in the backward's first kernel and the
-    # weight gradients (23.3 ms; slower in GEMM1 and GEMM2); token-major copies 64
-    # columns wide, as fp8's.
+    # steps of two scale blocks (64), but one (32) in the backward's first kernel (23.3
+    # ms; slower in GEMM1 and GEMM2). The weight gradients run torch's bf16 grouped GEMM
+    # on copies quantized along the tokens and dequantized (docs/perf.md v19).
     ("sm90", "mxfp8"): TileConfig(
-        block_m=128, mx_upcast=1, mx_dequantized_weights=1,
+        block_m=128, mx_upcast=1, mx_dequantized_weights=1, mx_wgrad_dequantized=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=32, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=32, wgrad_warps=8, wgrad_stages=4, token_major_cols=64,
     ),
     # MXFP8 on B200 (SM100): native MX MMA (block-scaled tcgen05) with the accumulators in
     # tensor memory; K steps of 128 (four scale blocks). Compiled for sm_100a, never run:

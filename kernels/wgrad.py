@@ -13,7 +13,10 @@ and per B column per block, applied as the forward applies them (promoted, or in
 
 Native weight gradients that read the rows as they crossed quantized (``fp8_wgrad_bf16``)
 take torch's grouped GEMM on copies of them dequantized into the activation dtype
-(``dequantized_rows_kernel``).
+(``dequantized_rows_kernel``). So do MX weight gradients where the tile row says so
+(``mx_wgrad_dequantized``: GPUs without an MX MMA): the copies are also quantized along
+the tokens and dequantized again, the values the scaled GEMM would multiply, which bf16
+holds exactly (power-of-two scales).
 """
 
 import triton
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
-from titan_megamoe.kernels.quantize import quantize_tile
+from titan_megamoe.kernels.quantize import mx_round_columns, quantize_tile
 
 
 @triton.jit
@@ -53,10 +56,14 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
 def dequantized_rows_kernel(
     t, t_scales, out, num_rows, local_base, local_rows, local_experts,
     COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MX_TOKEN_BLOCK: tl.constexpr,
 ):
-    """e4m3 received rows ``t [num_rows, COLS]`` times their scales (one per ``SCALE_K``
-    columns) into ``out`` (same shape, its dtype). Padding rows of an expert's last
+    """Received rows ``t [num_rows, COLS]`` (e4m3 times their scales, one per ``SCALE_K``
+    columns, or as they are with ``SCALE_K`` 0) into ``out`` (same shape, its dtype).
+    ``MX_TOKEN_BLOCK`` > 0 (it must equal ``BLOCK_R``): each column of each token block
+    (its expert's rows counted from the expert's first) is also quantized along the
+    tokens as one MX block and dequantized again, the operands of MX weight gradients in
+    values a bf16 grouped GEMM multiplies exactly. Padding rows of an expert's last
     ``BLOCK_M`` block are written as 0: a grouped GEMM over whole blocks then reads zeros
     there, whatever the buffers held. Rows past the last expert's blocks are never read
     and left as they are (the buffer holds every routing's rows; a call fills a fraction).
@@ -70,6 +77,9 @@ def dequantized_rows_kernel(
         rows = row0 + tl.arange(0, BLOCK_R)
         live = rows < tl.minimum(base + count, num_rows)
         v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)
+        if MX_TOKEN_BLOCK > 0:
+            tl.static_assert(MX_TOKEN_BLOCK == BLOCK_R, "a program rounds one token block")
+            v = mx_round_columns(v)
         cols = col0 + tl.arange(0, BLOCK_C)
         at = out + rows[:, None].to(tl.int64) * COLS + cols[None, :]
         tl.store(at, v.to(out.dtype.element_ty), mask=(rows[:, None] < num_rows) & (cols[None, :] < COLS))

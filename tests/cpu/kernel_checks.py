@@ -316,17 +316,29 @@ def check_dequantized_rows(device, seed: int) -> None:
     ``reference.dequantize_blocks`` of the e4m3 rows rounded to the output dtype (the
     interpreter rounds to bf16 by truncation: within a bf16 step there), its padding rows
     up to the block's end are 0 although their bytes and scales are NaN, and the rows past
-    the last block are left as they were. Both row formats, a partial last scale block."""
+    the last block are left as they were. Both row formats, a partial last scale block;
+    then, with ``MX_TOKEN_BLOCK`` 8, the same rows and unquantized ones, each column
+    quantized along the tokens in MX blocks of 8 of its expert's rows and dequantized, as
+    the reference quantizes the transposed rows."""
     from titan_megamoe.kernels.wgrad import dequantized_rows_kernel
 
     g = torch.Generator().manual_seed(seed)
-    block, cols = 16, 200
+    block, cols, token_block = 16, 200, 8
     local_rows = torch.tensor([5, 0, 20], dtype=torch.int32)
     local_base = torch.tensor([0, 16, 16], dtype=torch.int32)
     num_rows, used = 64, 48
     live = torch.zeros(num_rows, dtype=torch.bool)
     for base, count in zip(local_base.tolist(), local_rows.tolist()):
         live[base : base + count] = True
+
+    def along_tokens(values: torch.Tensor) -> torch.Tensor:
+        rounded = torch.zeros_like(values)
+        for base, count in zip(local_base.tolist(), local_rows.tolist()):
+            q, scales = quantize_blocks(values[base : base + count].T, (1, token_block), True)
+            rounded[base : base + count] = dequantize_blocks(q, scales, (1, token_block)).T
+        return rounded
+
+    cases = []
     for fmt in (FP8_BLOCK, MXFP8):
         scale_k = fmt.activation_block[1]
         q, scales = quantize_blocks(quantize_input(num_rows, cols, scale_k, g), fmt.activation_block, fmt.power_of_two)
@@ -334,14 +346,21 @@ def check_dequantized_rows(device, seed: int) -> None:
         q.view(torch.uint8)[~live] = 0xFF
         scales[~live] = float("nan")
         values = torch.where(live[:, None], dequantize_blocks(q, scales, fmt.activation_block), 0.0)
+        cases.append((fmt.name, q, scales, scale_k, 0, values))
+        cases.append((fmt.name, q, scales, scale_k, token_block, along_tokens(values)))
+    rows = torch.where(live[:, None], quantize_input(num_rows, cols, 32, g), float("nan"))
+    cases.append(("unquantized rows", rows, None, 0, token_block, along_tokens(torch.nan_to_num(rows))))
+    for name, t, scales, scale_k, mx_token_block, values in cases:
         for dtype in (torch.float32, torch.bfloat16):
             out = torch.full((num_rows, cols), float("nan"), dtype=dtype, device=device)
             dequantized_rows_kernel[(num_rows // 8, triton.cdiv(cols, 128))](
-                q.to(device), scales.to(device), out, num_rows, local_base.to(device), local_rows.to(device), 3,
+                t.to(device), None if scales is None else scales.to(device), out, num_rows,
+                local_base.to(device), local_rows.to(device), 3,
                 COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, BLOCK_M=block, BLOCK_R=8, BLOCK_C=128,
+                MX_TOKEN_BLOCK=mx_token_block,
             )
             got = out.cpu()
-            case = (fmt.name, str(dtype), f"seed {seed}")
+            case = (name, f"MX_TOKEN_BLOCK {mx_token_block}", str(dtype), f"seed {seed}")
             assert got[used:].isnan().all(), case + ("rows past the last block",)
             got, expected, padding = got[:used], values[:used], ~live[:used]
             assert torch.equal(got[padding], torch.zeros_like(got[padding])), case + ("padding rows",)

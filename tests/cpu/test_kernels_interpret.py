@@ -113,6 +113,9 @@ def test_tile_rows_meet_the_kernels_constraints():
         fmt = FORMATS[fmt_name]
         # Weights handed over dequantized feed a scaled MMA's bf16 B operand only.
         assert not tiles.mx_dequantized_weights or fmt.scaled_mma, row
+        # Rows rounded along the tokens in the receive layout: a token block per program.
+        assert not tiles.mx_wgrad_dequantized or (
+            fmt.scaled_mma and tiles.block_m % fmt.activation_block[1] == 0), row
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]

@@ -576,13 +576,15 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
     """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8,
     fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory (a row
     that does not fails on the GPU only at its first launch) and calls no subroutine.
-    mxfp8's scaled MMA becomes a bf16 MMA there (Hopper has no MX MMA)."""
+    mxfp8's scaled MMA becomes a bf16 MMA there (Hopper has no MX MMA), and its weight
+    gradients take bf16 copies rounded along the tokens instead of ``wgrad_kernel``."""
     report = _kernel_resources(tmp_path, "--precisions", "bf16,fp8,fp8_bwd,mxfp8")
     for name in ("bf16", "fp8", "fp8_bwd", "mxfp8"):
         kernels = {r["kernel"] for r in report["precisions"][name]}
         assert GEMM_KERNELS <= kernels, name
-    for name in ("fp8", "mxfp8"):
-        assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"][name]}
+    assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"]["fp8"]}
+    mx_kernels = {r["kernel"] for r in report["precisions"]["mxfp8"]}
+    assert "dequantized_rows_kernel" in mx_kernels and "wgrad_kernel" not in mx_kernels, mx_kernels
     mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS}
     assert mma and all(m.endswith(".f32.bf16.bf16") for m in mma), mma
     # No subroutine calls (a correctly rounded division calls its slow path, and the call

@@ -1,8 +1,8 @@
 """The kernels' shared helpers on a GPU at real sizes (a Qwen3-30B-A3B gate/up GEMM shape and
 one with K and N tails), fresh random inputs, poisoned outputs: the tile-GEMM mainloop
 (blockwise fp8 and mxfp8 with their scales, bf16, one and two B operands), the block
-scales, the row and the weight quantizers (bit for bit), against the reference's ``quantize_blocks`` /
-``dequantize_blocks``."""
+scales, the row and the weight quantizers and the weight gradients' row copies (bit for
+bit), against the reference's ``quantize_blocks`` / ``dequantize_blocks``."""
 
 import pytest
 import torch
@@ -45,3 +45,9 @@ def test_quantize_weights_bit_exact():
     from kernel_checks import check_quantize_weights
 
     check_quantize_weights("cuda", seed=torch.seed() % 2**31)
+
+
+def test_dequantized_rows_bit_exact():
+    from kernel_checks import check_dequantized_rows
+
+    check_dequantized_rows("cuda", seed=torch.seed() % 2**31)
