@@ -30,7 +30,11 @@ along the rows and dequantized (the same values). Native weight gradients after 
 quantized forward take torch's grouped GEMM on the rows as they crossed: unquantized
 (``mxfp8_wgrad_bf16``: ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
 quantize them as they read them), or quantized and dequantized for it
-(``fp8_wgrad_bf16``).
+(``fp8_wgrad_bf16``). MX held in bf16 (``TileConfig.mx_in_bf16``) runs the unquantized
+path above on operands rounded to MX where they are made (``dy`` at its source, ``[da |
+db]`` in the first kernel's epilogue beside its unrounded copy, the transposed weights as
+they are transposed); rows that cross unrounded for native weight gradients are rounded as
+the GEMMs read them.
 """
 
 import functools
@@ -53,11 +57,12 @@ from titan_megamoe.kernels.forward import (
     route,
     row_buffer,
     weight_scale_rows,
+    weights_in_bf16,
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
-from titan_megamoe.kernels.quantize import quantize_rows, quantize_transposed, quantize_weights
-from titan_megamoe.kernels.transpose import transposed_side_by_side
+from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
 from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
 
@@ -87,9 +92,11 @@ class GradBuffers:
         if self.mx_wgrad_block and tiles.block_m % self.mx_wgrad_block:
             raise ValueError(f"mx_wgrad_dequantized = 1 quantizes whole {self.mx_wgrad_block}-token blocks "
                              f"of the receive layout; block_m = {tiles.block_m} is not a multiple")
+        self.dy_link = tiles.operand_format(self.dy_link)
         self.tiles = tiles
-        self.grad_format = precision.dgrad
-        """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad)."""
+        self.grad_format = tiles.operand_format(precision.dgrad)
+        """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad), as the kernels
+        hold it (``TileConfig.operand_format``)."""
         self.wgrad_format = precision.wgrad
         """Format of the weight-gradient GEMMs."""
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
@@ -112,18 +119,20 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     the weight gradients and GEMM1's e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
-    hidden, inter = shape.hidden, shape.inter
+    hidden, inter, itemsize = shape.hidden, shape.inter, shape.dtype.itemsize
     parts = triton.cdiv(inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * inter * hidden
-    scale_k = grad.grad_format.row_scale_k
-    scaled = 1 + 4 / scale_k if scale_k else 0  # e4m3 bytes plus fp32 scales, per element
-    # Quantized weights per element: e4m3 and scales, or bf16 where handed over dequantized.
-    weight_bytes = 2 if tiles.mx_dequantized_weights else scaled
-    total = rows * 2 * inter * shape.dtype.itemsize + rows * 4 * parts
-    if shape.row_scale_k:
-        total += rows * inter * shape.dtype.itemsize + int(2 * weights // 3 * weight_bytes)
-    if not scale_k:
-        return total + weights * shape.dtype.itemsize
+    fmt = grad.grad_format
+    # A quantized operand per element: e4m3 and fp32 scales, or the activation dtype (held in bf16).
+    scaled = 1 + 4 / fmt.row_scale_k if fmt.row_scale_k else itemsize
+    weight_bytes = itemsize if weights_in_bf16(fmt, tiles) else scaled
+    total = rows * 2 * inter * itemsize + rows * 4 * parts
+    x_fmt = forward.row_format
+    if x_fmt.quantized:
+        h_copy = rows * inter * itemsize if x_fmt.row_scale_k else 0
+        total += h_copy + int(2 * weights // 3 * weight_bytes)
+    if not fmt.quantized:
+        return total + weights * itemsize
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
     through_dgrad = (rows * 2 * inter + dy_copy) * scaled + weights * weight_bytes
     if grad.mx_wgrad_block:
@@ -276,34 +285,36 @@ def fused_backward(
     dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
     # GEMM1 is recomputed in the forward's format; dy W2 and the dgrad GEMM run in the
     # backward's, the weight gradients in theirs.
-    x_fmt, x_scale_k = shape.row_format, shape.row_scale_k
-    fmt = grad.grad_format
+    x_fmt, fmt = buffers.row_format, grad.grad_format
     scale_k = fmt.row_scale_k
     # The backward's first kernel takes one weight block and rounding rule: the backward's,
     # or the forward's where only GEMM1 is quantized (never both: ``fused_support``).
-    w_fmt = fmt if scale_k else x_fmt
-    # A quantized forward keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
-    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_scale_k else buffers.h
+    w_fmt = fmt if fmt.quantized else x_fmt
+    # A forward in e4m3 keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
+    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k else buffers.h
     w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = None
     sent, dy_sent = x, dy
     # K-major copies of the weights as the backward's GEMMs read them.
-    dequantize = bool(tiles.mx_dequantized_weights)
-    if scale_k:
-        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block, dequantize)
-        w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block, dequantize)
+    if fmt.quantized:
+        in_bf16 = weights_in_bf16(fmt, tiles)
+        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block, in_bf16)
+        w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block, in_bf16)
         if grad.dy_link.quantized:
-            dy_sent, dy_scales = quantize_rows(dy, scale_k, fmt.power_of_two)
-        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn, device=x.device)
-        dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
+            dy_sent, dy_scales = quantize_rows(dy, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
+        # [da | db] for the dgrad GEMM: e4m3 with scales, or rounded in the activation dtype.
+        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn if scale_k else shape.dtype,
+                            device=x.device)
+        if scale_k:
+            dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
         w2t_scales = w13t_scales = None
         w2t = transposed_side_by_side([w2], tiles.transpose_block)
         w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
-    if x_scale_k and preact is None:
-        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, dequantize)
-    if x_scale_k and not score_before_experts and not quantize_on_read:
-        sent, x_scales = quantize_rows(x, x_scale_k, x_fmt.power_of_two)
+    if x_fmt.quantized and preact is None:
+        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles))
+    if x_fmt.quantized and not score_before_experts and not quantize_on_read:
+        sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     dispatch_grad_gemm1_kernel[(num_programs,)](
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
@@ -319,15 +330,16 @@ def fused_backward(
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
-        UPCAST_DOT=INTERPRET, X_SCALE_K=x_scale_k, GRAD_SCALE_K=scale_k,
+        UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,
         W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
         QUANTIZE_ON_READ=quantize_on_read,
         POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not grad.wgrad_format.quantized and not grad.dy_link.quantized,
+        X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k,
         num_warps=tiles.grad1_warps, num_stages=stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
-        dab_q if scale_k else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
+        dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
         buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
         shape.local_experts, shape.rows_per_rank,
@@ -366,7 +378,7 @@ def fused_backward(
         del h_wgrad
         dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)
         del dy_rows, h_rows
-        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_scale_k, mx_block)
+        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
         dab = _dequantized(buffers, dab, None, 0, mx_block)
         dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), x_rows, offs=ends)
         dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), x_rows, offs=ends)

@@ -37,7 +37,7 @@ import triton.language as tl
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_rows
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
-from titan_megamoe.kernels.quantize import quantize_tile
+from titan_megamoe.kernels.quantize import quantize_tile, round_rows
 from titan_megamoe.kernels.sync import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS
 
 
@@ -56,7 +56,8 @@ def dispatch_grad_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    ZERO_PADDING: tl.constexpr, X_ROUND_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr,
 ):
     """``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
     forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
@@ -66,12 +67,19 @@ def dispatch_grad_gemm1_kernel(
     ``QUANTIZE_ON_READ`` (native weight gradients, which read the rows as they crossed):
     the expert inputs and ``dy`` cross in the activation dtype, and the scaled GEMMs
     quantize them as they read them. ``ZERO_PADDING``: zero the received rows past each
-    expert's end (for weight-gradient GEMMs over whole blocks)."""
+    expert's end (for weight-gradient GEMMs over whole blocks). ``X_ROUND_K``,
+    ``GRAD_ROUND_K`` > 0 (MX held in the activation dtype, the scale widths 0): the expert
+    inputs, and the ``dy`` rows, arrive so, and ``[da | db]`` is also stored so for the
+    dgrad GEMM, rounded in blocks of ``GRAD_ROUND_K`` columns into ``dab_q``."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     # What the rows cross the link in: quantized, or the activation dtype.
     LINK_X_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else X_SCALE_K
     LINK_GRAD_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else GRAD_SCALE_K
+    LINK_X_ROUND_K: tl.constexpr = 0 if QUANTIZE_ON_READ else X_ROUND_K
+    # MX block widths the GEMMs quantize their A rows in as they read them (0: none).
+    X_READ_K: tl.constexpr = (X_SCALE_K + X_ROUND_K) if QUANTIZE_ON_READ else 0
+    GRAD_READ_K: tl.constexpr = (GRAD_SCALE_K + GRAD_ROUND_K) if QUANTIZE_ON_READ else 0
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
@@ -80,6 +88,7 @@ def dispatch_grad_gemm1_kernel(
                 grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
                 EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, LINK_X_SCALE_K, LINK_GRAD_SCALE_K, POWER_OF_TWO,
+                LINK_X_ROUND_K,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -104,7 +113,7 @@ def dispatch_grad_gemm1_kernel(
         live = rows < end
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
-                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ)
+                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -113,7 +122,7 @@ def dispatch_grad_gemm1_kernel(
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, n0, 0, HIDDEN, INTER, HIDDEN,
-            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_ON_READ, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K, UPCAST_DOT,
         )
 
         sig = tl.sigmoid(g)
@@ -147,6 +156,13 @@ def dispatch_grad_gemm1_kernel(
             q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
             tl.store(at_q + INTER, q, mask=mask)
             tl.store(at_s + INTER // GRAD_SCALE_K, scales, mask=s_mask)
+        if GRAD_ROUND_K > 0:
+            tl.static_assert((BLOCK_N % GRAD_ROUND_K == 0) & (INTER % GRAD_ROUND_K == 0),
+                             "tiles and the intermediate size must hold whole MX blocks of [da | db]")
+            at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
+            tl.store(at_q, round_rows(da.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype), mask=mask)
+            tl.store(at_q + INTER, round_rows(db.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype),
+                     mask=mask)
         at = h_wgrad + rows[:, None] * INTER + cols[None, :]
         tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
 

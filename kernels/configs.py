@@ -5,6 +5,8 @@ name). Free of Triton, so the host can decide where the kernels run without impo
 import os
 from dataclasses import dataclass
 
+from titan_megamoe.precision import Format
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels run under the Triton interpreter (CPU tests)."""
 
@@ -85,6 +87,13 @@ class TileConfig:
     """Scaled-MMA formats (mxfp8) only. 1: the mainloop multiplies each e4m3 tile by its
     scales into bf16 itself and runs a bf16 dot (for GPUs without an MX MMA); 0: it hands
     tiles and scales to ``tl.dot_scaled`` (native MX MMA, or Triton's emulation)."""
+    mx_in_bf16: int = 0
+    """Scaled-MMA formats (mxfp8) only. 1: the forward and data-gradient GEMMs take MX
+    operands held in bf16 (``Format.in_bf16``: the same values), so they run the bf16
+    kernels unchanged: rows are rounded to MX where they are made (at their source, and
+    ``h`` and ``[da | db]`` in the epilogues that write them), the weights once per call,
+    and the rows cross the link in bf16 (twice the bytes of e4m3 and scales). For GPUs
+    without an MX MMA; excludes ``mx_upcast`` and ``mx_dequantized_weights``."""
     mx_wgrad_dequantized: int = 0
     """MX weight gradients only. 1: their operands are copied in the receive layout,
     quantized along the tokens and dequantized into the activation dtype (the same values:
@@ -103,9 +112,18 @@ class TileConfig:
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
-        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_wgrad_dequantized"):
+        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
+                     "mx_wgrad_dequantized"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
+        if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):
+            raise ValueError("mx_in_bf16 = 1 runs bf16 GEMMs on operands held in bf16; mx_upcast and "
+                             "mx_dequantized_weights (ways to scale e4m3 operands) must be 0 with it")
+
+    def operand_format(self, fmt: Format) -> Format:
+        """The format the kernels of this row hold ``fmt``'s GEMM operands in: ``fmt``, or
+        its bf16 form for MX with ``mx_in_bf16``."""
+        return fmt.in_bf16() if self.mx_in_bf16 and fmt.scaled_mma else fmt
 
 
 TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
@@ -146,19 +164,19 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_cols=64,
     ),
-    # MXFP8 on H100/H200: Hopper has no MX MMA, so the mainloop multiplies each e4m3 tile
-    # by its power-of-two scales into bf16 and runs a bf16 MMA, with the weights
-    # dequantized to bf16 once per call so that only the rows are converted per K step
-    # (fwd+bwd 35.2 ms with Triton's dot_scaled emulation, 27.5 upcasting both operands,
-    # 24.7 upcasting the rows only: docs/perf.md v15). Tiles as the bf16 row's with K
-    # steps of two scale blocks (64), but one (32) in the backward's first kernel (23.3
-    # ms; slower in GEMM1 and GEMM2). The weight gradients run torch's bf16 grouped GEMM
-    # on copies quantized along the tokens and dequantized (docs/perf.md v19).
+    # MXFP8 on H100/H200: Hopper has no MX MMA. MX values are exact in bf16, so the
+    # operands are held in bf16 rounded to MX (mx_in_bf16) and every GEMM runs the bf16
+    # kernels with the bf16 row's tiles; scaling e4m3 tiles into bf16 in the mainloop
+    # (mx_upcast, weights dequantized once per call) ran the GEMMs at half the bf16
+    # kernels' rate (docs/perf.md v15, v20). The backward's first kernel 64 columns wide
+    # where GEMM1 was saved: at 128, rounding [da | db] spills (3.46 -> 2.41 ms, v20). The
+    # weight gradients run torch's bf16 grouped GEMM on copies quantized along the tokens
+    # and dequantized (v19).
     ("sm90", "mxfp8"): TileConfig(
-        block_m=128, mx_upcast=1, mx_dequantized_weights=1, mx_wgrad_dequantized=1,
+        block_m=128, mx_in_bf16=1, mx_wgrad_dequantized=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
-        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=32, grad1_warps=8, grad1_stages=4,
+        grad1_m=128, grad1_n=64, grad1_saved_n=64, grad1_k=64, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,

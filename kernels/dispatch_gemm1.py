@@ -21,7 +21,7 @@ import triton.language as tl
 
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
-from titan_megamoe.kernels.quantize import quantize_tile
+from titan_megamoe.kernels.quantize import quantize_tile, round_rows
 from titan_megamoe.kernels.sync import (
     CHUNK_READY_TIMEOUT,
     EPOCH,
@@ -52,7 +52,7 @@ def dispatch_item(
     WITH_GRAD: tl.constexpr, NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr,
     MAX_CHUNKS: tl.constexpr, EXPERT_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, ROW_SCALE_K: tl.constexpr,
-    GRAD_SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    GRAD_SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, ROW_ROUND_K: tl.constexpr,
 ):
     """Push one item (<= BLOCK_M of my rows for one expert) to the expert's owner: the
     expert input rows and their origins, plus, ``WITH_GRAD`` (the backward), the output
@@ -63,6 +63,8 @@ def dispatch_item(
     columns into ``recv_scales``). Without ``SCORE_BEFORE_EXPERTS`` they were quantized
     once per token before the kernel (``x`` e4m3 with ``x_scales``) and are copied as they
     are; with it each (token, slot) row differs, so it is quantized here, after scaling.
+    ``ROW_ROUND_K`` > 0: expert inputs cross as MX values held in the activation dtype,
+    rounded once per token before the kernel, or here, after scaling, likewise.
     ``GRAD_SCALE_K`` > 0: the ``dy`` rows, quantized once per token before the kernel
     (``dy`` e4m3 with ``dy_scales``), are copied with their scales the same way."""
     lane = tl.arange(0, EXPERT_PAD)
@@ -131,6 +133,8 @@ def dispatch_item(
                 scale_dst, scale_mask = _scale_chunk(dest, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
                 tl.store(recv + dst, q, mask=x_mask)
                 tl.store(recv_scales + scale_dst, scales, mask=scale_mask)
+            elif (ROW_ROUND_K > 0) & SCORE_BEFORE_EXPERTS:
+                tl.store(recv + dst, round_rows(v.to(tl.float32), ROW_ROUND_K).to(v.dtype), mask=x_mask)
             else:
                 tl.store(recv + dst, v, mask=x_mask)
             if COPY_X_SCALES:
@@ -180,7 +184,7 @@ def dispatch_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    ACT_DTYPE: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
     intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]``
@@ -190,7 +194,8 @@ def dispatch_gemm1_kernel(
     ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``
     block (``MX_DOT``: see ``tile_gemm``), and ``h`` is stored quantized for GEMM2, one scale per SCALE_K columns into
     ``h_scales``, after rounding to the activation dtype ``ACT_DTYPE`` as the reference
-    rounds it."""
+    rounds it. ``ROUND_K`` > 0 (MX held in the activation dtype, ``SCALE_K`` 0): the rows
+    arrive so, and ``h`` is stored so, rounded in blocks of ``ROUND_K`` columns."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
@@ -200,7 +205,7 @@ def dispatch_gemm1_kernel(
                 recv, recv_scales, recv, None, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs,
                 meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO,
+                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO, ROUND_K,
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -224,6 +229,9 @@ def dispatch_gemm1_kernel(
         out = g * tl.sigmoid(g) * u
         mask = col_ok[None, :]
         if SCALE_K == 0:
+            if ROUND_K > 0:
+                tl.static_assert(BLOCK_N % ROUND_K == 0, "a GEMM1 tile must hold whole MX blocks of h")
+                out = round_rows(out.to(ACT_DTYPE).to(tl.float32), ROUND_K)
             tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
         else:
             tl.static_assert(BLOCK_N % SCALE_K == 0, "a GEMM1 tile must hold whole scale blocks of h")
@@ -248,7 +256,7 @@ def gate_up(
 ):
     """GEMM1 of one tile: ``x W1^T`` and ``x W3^T`` (fp32) for ``rows`` x the BLOCK_N
     columns from ``n0``, in one mainloop (both weights share each tile of ``x``); scaled
-    when ``SCALE_K`` > 0, the rows quantized as they are read with ``QUANTIZE_A``
+    when ``SCALE_K`` > 0, the rows quantized as they are read with ``QUANTIZE_A`` > 0
     (``tile_gemm``)."""
     return tile_gemm(
         recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN, INTER, HIDDEN,

@@ -46,18 +46,12 @@ class ForwardShape:
     dtype: torch.dtype
     """The activations' dtype (the combine buffer's and, unquantized, the receive buffer's)."""
     row_format: Format = NATIVE
-    """Format of the forward's GEMM operands: native, the rows cross the link in ``dtype``;
-    quantized, the expert input rows cross it (and ``h`` is stored) as e4m3 with one scale
-    per ``row_scale_k`` elements, and the receive buffer carries the scales."""
+    """Format of the forward's GEMM operands, as the precision names it (the tile row
+    decides how the kernels hold it: ``ForwardBuffers.row_format``)."""
     native_resend: bool = False
     """Quantized rows only: the backward sends the expert inputs again in ``dtype``
     (``Precision.backward_link``) into the same receive buffer, which is sized for either
     (``ForwardBuffers.recv_native`` views it so)."""
-
-    @property
-    def row_scale_k(self) -> int:
-        """Elements per scale along the rows (0: unquantized)."""
-        return self.row_format.row_scale_k
 
     @property
     def rows_per_rank(self) -> int:
@@ -84,6 +78,12 @@ class ForwardBuffers:
                  symmetric: SymmetricAllocator):
         self.shape = shape
         self.tiles = tiles
+        self.row_format = tiles.operand_format(shape.row_format)
+        """How the kernels hold the forward's GEMM operands: native or MX held in bf16, the
+        rows cross the link (and ``h`` is stored) in ``dtype``; e4m3, they cross it as e4m3
+        with one scale per ``row_scale_k`` elements, and the receive buffer carries the
+        scales."""
+        scale_k = self.row_format.row_scale_k
         bm = self.tiles.block_m
         rows = shape.receive_rows(bm)
         self.flag_layout = FlagLayout(
@@ -92,7 +92,7 @@ class ForwardBuffers:
             max_chunks=math.ceil(shape.rows_per_rank / bm),
         )
         self.recv, self.recv_scales, self.recv_ptrs, self.recv_native = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, shape.row_scale_k, shape.native_resend)
+            symmetric, rows, shape.hidden, shape.dtype, scale_k, shape.native_resend)
         self.recv_meta, self.recv_meta_ptrs = symmetric((rows,), torch.int32)
         self.combine, self.combine_ptrs = symmetric((shape.rows_per_rank, shape.hidden), shape.dtype)
         self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int64)
@@ -101,9 +101,9 @@ class ForwardBuffers:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         num_experts = shape.ep * shape.local_experts
-        if shape.row_scale_k:
+        if scale_k:
             self.h = torch.empty(rows, shape.inter, dtype=torch.float8_e4m3fn, device=device)
-            h_scale_cols = math.ceil(shape.inter / shape.row_scale_k)
+            h_scale_cols = math.ceil(shape.inter / scale_k)
             self.h_scales = torch.empty(rows, h_scale_cols, dtype=torch.float32, device=device)
         else:
             self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=device)
@@ -162,7 +162,7 @@ def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch
     (either form at a time)."""
     if not scale_k:
         data, ptrs = symmetric((rows, cols), dtype)
-        return data, None, ptrs, None
+        return data, None, ptrs, data if native_too else None
     scale_cols = math.ceil(cols / scale_k)
     data_bytes = math.ceil(rows * cols / 16) * 16  # the scales start 16-byte aligned
     scale_bytes = rows * scale_cols * 4
@@ -174,11 +174,18 @@ def row_buffer(symmetric: SymmetricAllocator, rows: int, cols: int, dtype: torch
     return data, scales, ptrs, native
 
 
+def weights_in_bf16(fmt: Format, tiles: TileConfig) -> bool:
+    """Whether the GEMMs take quantized weights dequantized to bf16 (the same values): MX
+    held in bf16, or handed over so to a mainloop that scales only its A operand
+    (``mx_dequantized_weights``; ``quantize_weights`` refuses either for other than 1 x K
+    blocks)."""
+    return bool(fmt.round_k or tiles.mx_dequantized_weights)
+
+
 def weight_scale_rows(fmt: Format, tiles: TileConfig) -> int:
     """Rows of a weight scale block as the GEMM kernels take it (``W_SCALE_N``): the
-    format's, or 0 where the weights are handed over dequantized (``mx_dequantized_weights``,
-    which ``quantize_weights`` refuses for other than 1 x K blocks)."""
-    return 0 if tiles.mx_dequantized_weights else fmt.weight_block[0]
+    format's, or 0 where the weights are handed over in bf16 (``weights_in_bf16``)."""
+    return 0 if weights_in_bf16(fmt, tiles) else fmt.weight_block[0]
 
 
 def pad(n: int) -> int:
@@ -297,8 +304,8 @@ def fused_forward(
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
     receives GEMM1's pre-activations for the backward. With a quantized
-    ``buffers.shape.row_format`` the weights are quantized in its weight blocks and ``x``
-    once per token before the kernels send it.
+    ``buffers.row_format`` the weights are quantized in its weight blocks and ``x`` once
+    per token before the kernels send it (held in bf16: rounded so).
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -307,14 +314,14 @@ def fused_forward(
     order, send_start, tokens_per_expert = route(topk_idx, buffers, timeout_s)
     buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
 
-    fmt, scale_k = shape.row_format, shape.row_scale_k
+    fmt = buffers.row_format
     w1_scales = w2_scales = w3_scales = sent_scales = None
     sent = x
-    if scale_k:
-        dequantize = bool(tiles.mx_dequantized_weights)
-        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt, dequantize)
+    if fmt.quantized:
+        in_bf16 = weights_in_bf16(fmt, tiles)
+        (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt, in_bf16)
         if not score_before_experts:
-            sent, sent_scales = quantize_rows(x, scale_k, fmt.power_of_two)
+            sent, sent_scales = quantize_rows(x, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
     dispatch_gemm1_kernel[(num_programs,)](
         sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
@@ -327,9 +334,9 @@ def fused_forward(
         COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
-        COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=scale_k,
+        COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
         W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
-        ACT_DTYPE=TRITON_DTYPES[x.dtype],
+        ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k,
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
@@ -340,7 +347,7 @@ def fused_forward(
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
+        SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
         OVERLAP=bool(tiles.gemm2_overlap),
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )

@@ -25,12 +25,15 @@ K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
   activation dtype) and each tile is quantized as it is read, exactly as the reference
   quantizes such a row (``quantize_tile``). With ``B_SCALE_N`` 0, B holds weights
   already dequantized to bf16 (the same values), so only A is scaled.
+
+MX operands held in bf16 (``Format.in_bf16``) are unscaled operands here; only rows that
+arrive unrounded are rounded as they are read (``QUANTIZE_A`` with ``SCALE_K`` 0).
 """
 
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.quantize import quantize_tile
+from titan_megamoe.kernels.quantize import quantize_tile, round_rows
 from titan_megamoe.precision import Format
 
 MX_SCALED_DOT = tl.constexpr(1)
@@ -98,8 +101,11 @@ def tile_gemm(
     ``BLOCK_K``), ``k_end`` at most K; the GEMMs over whole rows pass ``0, K``.
     ``SCALE_K`` 0: unscaled operands, the ``*_scale`` arguments unused (None). Otherwise
     ``BLOCK_K`` must divide ``SCALE_K`` (promotion) or be a multiple of it (``MX_DOT``,
-    which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A``
-    (MX only): ``a`` holds unquantized rows, ``a_scale`` is unused (None).
+    which takes ``B_SCALE_N`` 1, or 0 for a bf16 B without scales). ``QUANTIZE_A`` > 0:
+    ``a`` holds unquantized rows, quantized as they are read in MX blocks of that many
+    elements: into e4m3 and scales for an MX dot (``QUANTIZE_A == SCALE_K``, ``a_scale``
+    unused), or rounded in their dtype for unscaled operands (``SCALE_K`` 0: MX held in
+    bf16, ``BLOCK_K`` a multiple of it).
     ``UPCAST_DOT``: operands go to the dot in fp32 (the Triton interpreter computes bf16
     dots wrongly).
     """
@@ -109,8 +115,10 @@ def tile_gemm(
     if MX_DOT:
         tl.static_assert(SCALE_K > 0, "an MX dot needs scales")
         tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "an MX dot takes whole 1 x SCALE_K blocks")
-    else:
-        tl.static_assert(not QUANTIZE_A, "A is quantized on read only for an MX dot")
+        tl.static_assert((QUANTIZE_A == 0) | (QUANTIZE_A == SCALE_K), "an MX dot quantizes A in its scale blocks")
+    elif QUANTIZE_A > 0:
+        tl.static_assert((SCALE_K == 0) & (BLOCK_K % QUANTIZE_A == 0),
+                         "A is rounded on read only for unscaled operands, in whole blocks of a K step")
     # A tile inside one weight scale block (blockwise fp8's 128 x 128) has one B scale per
     # K block: the promotion is then one FMA per element (the row scales times it), not
     # a multiply by each column's scale and an FMA.
@@ -204,6 +212,8 @@ def tile_gemm(
                 k_ok = (k + ks < K) | (K % STEP == 0)
                 b_mask = col_ok[None, :] & k_ok[:, None]
                 x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
+                if QUANTIZE_A > 0:
+                    x = round_rows(x.to(tl.float32), QUANTIZE_A).to(x.dtype)
                 y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
                 if TWO_B:
                     y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)

@@ -4,10 +4,10 @@ quantized GEMM operand (activation rows, incoming gradients, the SwiGLU output),
 
 ``quantize_tile`` is the helper kernels call on a tile of fp32 values they hold;
 ``quantize_rows`` runs it over a whole tensor. Expert weights are quantized in their
-format's weight blocks, as the forward reads them (``quantize_weights``) and transposed,
-as the backward does (``quantize_transposed``); in 1 x K blocks (MX) they can also be
-handed over dequantized, in bf16 (``dequantize``): the same values, for a mainloop that
-scales only its A operand.
+format's weight blocks as the forward reads them (``quantize_weights``; transposed, as the
+backward reads them: ``transpose.quantize_transposed``); in 1 x K blocks (MX) they can
+also be handed over dequantized, in bf16 (``dequantize``): the same values, for a
+mainloop that scales only its A operand or for MX held in bf16.
 """
 
 import torch
@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
-from titan_megamoe.kernels.transpose import transposed_side_by_side
 from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -129,6 +128,18 @@ def quantize_tile(values, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr):
 
 
 @triton.jit
+def round_rows(values, SCALE_K: tl.constexpr):
+    """``values [ROWS, COLS]`` (fp32) quantized in power-of-two blocks of ``SCALE_K``
+    columns per row (``quantize_tile``) and dequantized again, in fp32: the values of an
+    MX operand held in bf16 (``Format.in_bf16``), exact in bf16 from 2^-126 up."""
+    ROWS: tl.constexpr = values.shape[0]
+    COLS: tl.constexpr = values.shape[1]
+    q, scales = quantize_tile(values, SCALE_K, True)
+    blocks = tl.reshape(q.to(tl.float32), (ROWS, COLS // SCALE_K, SCALE_K)) * scales[:, :, None]
+    return tl.reshape(blocks, (ROWS, COLS))
+
+
+@triton.jit
 def mx_round_columns(values):
     """``values [ROWS, COLS]`` (fp32) with each column quantized as one MX block (e4m3
     times its power-of-two scale, ``e4m3_scale``) and dequantized again, in fp32: the
@@ -151,12 +162,10 @@ def quantize_rows_kernel(
     mask = live[:, None] & (cols[None, :] < COLS)
     at = rows[:, None].to(tl.int64) * COLS + cols[None, :]
     values = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
-    tile_q, tile_scales = quantize_tile(values, SCALE_K, POWER_OF_TWO)
     if DEQUANTIZE:
-        BLOCKS: tl.constexpr = BLOCK_COLS // SCALE_K
-        blocks = tl.reshape(tile_q.to(tl.float32), (BLOCK_ROWS, BLOCKS, SCALE_K)) * tile_scales[:, :, None]
-        tl.store(q + at, tl.reshape(blocks, (BLOCK_ROWS, BLOCK_COLS)).to(q.dtype.element_ty), mask=mask)
+        tl.store(q + at, round_rows(values, SCALE_K).to(q.dtype.element_ty), mask=mask)
     else:
+        tile_q, tile_scales = quantize_tile(values, SCALE_K, POWER_OF_TWO)
         tl.store(q + at, tile_q, mask=mask)
         K_BLOCKS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
         kb = tl.program_id(1) * (BLOCK_COLS // SCALE_K) + tl.arange(0, BLOCK_COLS // SCALE_K)
@@ -248,39 +257,3 @@ def quantize_weights(weights: list[torch.Tensor], fmt: Format,
         )
         quantized.append((q, scales))
     return quantized
-
-
-def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_block: int,
-                        dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The expert weights ``[E, N_i, K]`` transposed and side by side,
-    ``t = cat([w.transpose(1, 2) for w in weights], dim=2)`` (``[E, K, sum N_i]``), quantized
-    in the format's weight blocks: ``(e4m3 values, scales)``, bit for bit
-    ``reference.quantize_blocks(t, fmt.weight_block, fmt.power_of_two)``. The backward's
-    GEMMs read the weights K-major this way. Blocks of more than one row are quantized
-    straight from ``weights`` (one read, one e4m3 write); rows of blocks (MX's 1 x 32) from
-    a transposed copy (``transpose_block``: its tile), and those may be ``dequantize``d
-    (``quantize_weights``)."""
-    bn, bk = fmt.weight_block
-    weights = [w.contiguous() for w in weights]
-    experts, _, k = weights[0].shape
-    cols = sum(w.shape[1] for w in weights)
-    if bn == 1:
-        ((q, scales),) = quantize_weights([transposed_side_by_side(weights, transpose_block)], fmt, dequantize)
-        return q, scales
-    if dequantize:
-        raise ValueError(f"dequantized weights need 1 x K blocks; {fmt.name} has {bn} x {bk}")
-    q = torch.empty(experts, k, cols, dtype=torch.float8_e4m3fn, device=weights[0].device)
-    scales = torch.empty(experts, triton.cdiv(k, bn), triton.cdiv(cols, bk), dtype=torch.float32,
-                         device=weights[0].device)
-    col0 = 0
-    for w in weights:
-        n = w.shape[1]
-        if col0 % bk or (n % bk and w is not weights[-1]):
-            raise ValueError(f"weights of {n} rows at column {col0} do not fill whole {bn} x {bk} blocks")
-        # The transposed tensor's (bn, bk) block is a (bk, bn) block of the weight.
-        quantize_weight_blocks_kernel[(experts, triton.cdiv(n, bk), triton.cdiv(k, bn))](
-            w, q, scales, col0, N=n, K=k, OUT_COLS=cols, BLOCK_N=bk, BLOCK_K=bn,
-            POWER_OF_TWO=fmt.power_of_two, TRANSPOSE=True, num_warps=8,
-        )
-        col0 += n
-    return q, scales

@@ -22,17 +22,17 @@ SERVED_DTYPES = {
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
 AUTO_PRECISIONS = {
-    "sm90": ("bf16", "fp8", "fp8_wgrad_bf16"),
+    "sm90": ("bf16", "fp8", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
     "sm100": (),
     "interpret": ("bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
 }
 """Precisions ``backend = "auto"`` gives the fused kernels, by architecture: those whose
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
 (``fp8``: stock with torchao's FP8 recipe; ``fp8_wgrad_bf16``, which no torchao recipe
-computes: stock bf16; ``docs/perf.md``). The others run fused when
-asked for (``backend = "fused"``) and go to the stock backend under ``auto``: sm90
-``mxfp8`` is measured on one GPU only (v19: faster than stock bf16 at 30B-A3B, 1.6x
-slower than fused bf16), every sm100 kernel is compiled but never run."""
+computes: stock bf16; sm90 ``mxfp8`` and ``mxfp8_wgrad_bf16``, which stock TorchTitan
+cannot run on Hopper: stock bf16, measured on one H200, perf log v20). The others run
+fused when asked for (``backend = "fused"``) and go to the stock backend under ``auto``:
+every sm100 kernel is compiled but never run."""
 
 
 def arch(device: torch.device) -> tuple[str | None, str]:
@@ -118,8 +118,12 @@ def describe_mma(target: str, precision: Precision) -> str:
     if not fmt.scaled_mma:
         return f"fp8 MMA, scales promoted per {fmt.row_scale_k}-element block"
     if target == "sm90":
-        described = ("MX MMA emulated: Hopper has none, so each e4m3 tile is scaled into bf16 and "
-                     "multiplied by a bf16 MMA (exact)")
+        if TILE_CONFIGS[target, fmt.name].mx_in_bf16:
+            described = ("MX MMA emulated: Hopper has none, so the operands are held in bf16 rounded to MX "
+                         "(exact; the rows cross the link in bf16) and multiplied by bf16 MMAs")
+        else:
+            described = ("MX MMA emulated: Hopper has none, so each e4m3 tile is scaled into bf16 and "
+                         "multiplied by a bf16 MMA (exact)")
         if precision.wgrad.scaled_mma and TILE_CONFIGS[target, precision.wgrad.name].mx_wgrad_dequantized:
             described += ("; weight gradients by torch's bf16 grouped GEMM on copies quantized along "
                           "the tokens and dequantized (exact)")

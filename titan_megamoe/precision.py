@@ -10,6 +10,7 @@ A precision name is parsed once, by :func:`get_precision`; everything below that
 reference, the backends, the kernels' constexprs) works from the objects.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 E4M3_MAX = 448.0
@@ -32,7 +33,10 @@ class Format:
 
     name: str
     element: str
-    """``native`` (the operand's own dtype) or ``e4m3``."""
+    """``native`` (the operand's own dtype), ``e4m3`` (with fp32 scales), or ``bf16``: the
+    e4m3 format's values (each e4m3 value times its power-of-two scale, exact in bf16 from
+    2^-126 up) held in bf16, for GEMMs on GPUs without an MMA for the format
+    (``in_bf16``)."""
     activation_block: tuple[int, int] = (0, 0)
     weight_block: tuple[int, int] = (0, 0)
     power_of_two: bool = False
@@ -40,19 +44,37 @@ class Format:
 
     @property
     def quantized(self) -> bool:
+        """The operand's values are rounded to the format (stored in e4m3 or in bf16)."""
         return self.element != "native"
 
     @property
     def row_scale_k(self) -> int:
-        """Elements per scale along a row of activations or gradients (0: unquantized)."""
-        return self.activation_block[1] if self.quantized else 0
+        """Elements per scale along a row of activations or gradients stored in e4m3 (0:
+        unquantized, or held in bf16)."""
+        return self.activation_block[1] if self.element == "e4m3" else 0
+
+    @property
+    def round_k(self) -> int:
+        """Elements per block along a row of activations or gradients held in bf16 (0: not
+        held so): each block is rounded to e4m3 times its scale where the row is made."""
+        return self.activation_block[1] if self.element == "bf16" else 0
 
     @property
     def scaled_mma(self) -> bool:
         """The GEMMs hand the scales to the MMA (``tl.dot_scaled``: OCP MX, one UE8M0 scale
         per 32 elements along K of both operands) instead of promoting each scale block's
         partial product into the accumulator."""
-        return self.power_of_two and self.activation_block == self.weight_block == (1, 32)
+        return (self.element == "e4m3" and self.power_of_two
+                and self.activation_block == self.weight_block == (1, 32))
+
+    def in_bf16(self) -> "Format":
+        """This format's values held in bf16 (``element``): the GEMMs then run bf16 MMAs on
+        exactly the values they would multiply in e4m3 with scales. Power-of-two scales
+        only (others would not keep the values exact)."""
+        if self.element != "e4m3" or not self.power_of_two:
+            raise ValueError(f"format {self.name!r} has no exact bf16 form: that needs e4m3 values "
+                             "with power-of-two scales")
+        return dataclasses.replace(self, name=f"{self.name}_in_bf16", element="bf16")
 
     def block(self, is_weight: bool) -> tuple[int, int]:
         """The scale block of a weight operand or of an activation / gradient operand."""

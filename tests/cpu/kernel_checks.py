@@ -14,7 +14,8 @@ import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
 from titan_megamoe.kernels.mainloop import mx_dot, tile_gemm
-from titan_megamoe.kernels.quantize import e4m3_scale, quantize_rows, quantize_transposed, quantize_weights
+from titan_megamoe.kernels.quantize import e4m3_scale, quantize_rows, quantize_weights
+from titan_megamoe.kernels.transpose import quantize_transposed
 from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, FP8_BLOCK, MXFP8, NATIVE, UE8M0_EXP_MIN, Format
 from titan_megamoe.reference import dequantize_blocks, quantize_blocks, relative_error
 
@@ -62,7 +63,8 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
                   block_m: int, block_n: int, block_k: int, mx_upcast: bool = False, **launch):
     """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
     ``[E, N, K]``, scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
-    mainloop quantizes it as it reads it; quantized ``b`` without ``b_scales``: bf16 values
+    mainloop quantizes it as it reads it, or, MX held in bf16, rounds it; quantized ``b``
+    without ``b_scales``: bf16 values
     already dequantized; ``mx_upcast``: MX tiles upcast in the mainloop, not handed to
     ``tl.dot_scaled``); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
     m, k = a.shape
@@ -76,7 +78,7 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
         B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx_dot(fmt, mx_upcast),
-        QUANTIZE_A=fmt.quantized and a_scales is None, UPCAST_DOT=INTERPRET, **launch,
+        QUANTIZE_A=(fmt.row_scale_k or fmt.round_k) if a_scales is None else 0, UPCAST_DOT=INTERPRET, **launch,
     )
     return out, out2
 
@@ -138,6 +140,16 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
                         case = (fmt.name, m, n, k, block_k, two_b, upcast, a_scales is None, b_scales is None,
                                 err, f"seed {seed}")
                         assert err <= tolerances[fmt.name], case
+        if fmt.scaled_mma:
+            # MX held in bf16: unscaled bf16 operands, the unrounded A rows rounded as the
+            # mainloop reads them.
+            (a_in, _, a_ref), (b, b2, _, _) = a_forms[1], b_forms[1]
+            for block_k, two_b in itertools.product(fitting, (False, True)):
+                outs = run_tile_gemm(a_in, b, b2 if two_b else None, None, None, None, experts - 1,
+                                     fmt.in_bf16(), block_m, block_n, block_k, **launch)
+                for got, b_ref in zip(outs[: 1 + two_b], b_refs):
+                    err = relative_error(got.cpu(), a_ref @ b_ref.T)
+                    assert err <= tolerances[fmt.name], (fmt.name, "in bf16", m, n, k, block_k, two_b, err)
 
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")

@@ -382,13 +382,17 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 
 
 # mxfp8_wgrad_bf16 with its weights dequantized to bf16 (only the rows scaled in the MMA);
-# mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms; and mxfp8
+# mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms; mxfp8
 # with both operands upcast in the mainloop instead of handed to the scaled dot, its weight
-# gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows).
+# gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows);
+# and both MX precisions with every operand held in bf16 (the rows mxfp8_wgrad_bf16 resends
+# unrounded rounded as the GEMMs read them).
 @pytest.mark.parametrize("precision, tile_changes",
                          [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
                           ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
-                          ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32})])
+                          ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32}),
+                          ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32}),
+                          ("mxfp8_wgrad_bf16", {"mx_in_bf16": 1})])
 def test_quantized_matches_reference(precision, tile_changes, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_quantized_matches_reference, 1, precision, tile_changes, timeout_s=900)

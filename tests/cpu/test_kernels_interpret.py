@@ -111,8 +111,10 @@ def test_tile_rows_meet_the_kernels_constraints():
         # Precisions whose passes use two rows of one architecture read one receive layout.
         assert all(tiles.block_m == other.block_m for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
         fmt = FORMATS[fmt_name]
-        # Weights handed over dequantized feed a scaled MMA's bf16 B operand only.
+        # Weights handed over dequantized feed a scaled MMA's bf16 B operand only; only MX
+        # values are exact in bf16.
         assert not tiles.mx_dequantized_weights or fmt.scaled_mma, row
+        assert not tiles.mx_in_bf16 or fmt.scaled_mma, row
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
             fmt.scaled_mma and tiles.block_m % fmt.activation_block[1] == 0), row
@@ -127,3 +129,25 @@ def test_tile_rows_meet_the_kernels_constraints():
         for field in ("gemm1_k", "gemm2_k", "grad1_k", "dgrad_k", "wgrad_k"):
             step = getattr(tiles, field)
             assert (step % scale_k if fmt.scaled_mma else scale_k % step) == 0, (row, field)
+
+
+def test_mx_operands_held_in_bf16():
+    """A row with ``mx_in_bf16`` hands the kernels MX operands as unscaled bf16 values
+    rounded in the format's blocks, other formats unchanged; it refuses the e4m3 forms
+    beside it, and only power-of-two formats have a bf16 form."""
+    import dataclasses
+
+    from titan_megamoe.kernels import configs
+    from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE
+
+    tiles = dataclasses.replace(configs.TILE_CONFIGS["interpret", "mxfp8"], mx_in_bf16=1)
+    held = tiles.operand_format(MXFP8)
+    assert (held.element, held.quantized, held.row_scale_k, held.round_k, held.scaled_mma) == (
+        "bf16", True, 0, 32, False)
+    assert held.weight_block == MXFP8.weight_block and held.power_of_two
+    assert tiles.operand_format(FP8_BLOCK) is FP8_BLOCK and tiles.operand_format(NATIVE) is NATIVE
+    assert configs.TILE_CONFIGS["interpret", "mxfp8"].operand_format(MXFP8) is MXFP8
+    with pytest.raises(ValueError, match="mx_upcast and mx_dequantized_weights"):
+        dataclasses.replace(tiles, mx_upcast=1)
+    with pytest.raises(ValueError, match="'fp8_block' has no exact bf16 form"):
+        FP8_BLOCK.in_bf16()

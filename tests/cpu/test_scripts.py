@@ -576,8 +576,9 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
     """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8,
     fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory (a row
     that does not fails on the GPU only at its first launch) and calls no subroutine.
-    mxfp8's scaled MMA becomes a bf16 MMA there (Hopper has no MX MMA), and its weight
-    gradients take bf16 copies rounded along the tokens instead of ``wgrad_kernel``."""
+    mxfp8's GEMMs run bf16 MMAs there (Hopper has no MX MMA: its operands are held in bf16),
+    and its weight gradients take bf16 copies rounded along the tokens instead of
+    ``wgrad_kernel``."""
     report = _kernel_resources(tmp_path, "--precisions", "bf16,fp8,fp8_bwd,mxfp8")
     for name in ("bf16", "fp8", "fp8_bwd", "mxfp8"):
         kernels = {r["kernel"] for r in report["precisions"][name]}

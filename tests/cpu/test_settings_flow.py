@@ -108,7 +108,8 @@ def test_the_log_says_how_the_fused_gemms_multiply():
     describe = fused_support.describe_mma
     assert describe("sm90", get_precision("bf16")) == "bf16 MMA"
     assert describe("sm90", get_precision("fp8")) == "fp8 MMA, scales promoted per 128-element block"
-    assert describe("sm90", get_precision("mxfp8")).startswith("MX MMA emulated: Hopper has none")
+    assert describe("sm90", get_precision("mxfp8")).startswith(
+        "MX MMA emulated: Hopper has none, so the operands are held in bf16 rounded to MX")
     assert "weight gradients by torch's bf16 grouped GEMM" in describe("sm90", get_precision("mxfp8"))
     assert "weight gradients" not in describe("sm90", get_precision("mxfp8_wgrad_bf16"))
     assert describe("sm100", get_precision("mxfp8")) == "native MX MMA (block-scaled tcgen05)"

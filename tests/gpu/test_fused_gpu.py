@@ -153,7 +153,7 @@ def test_one_gpu(precision):
     run_ranks(_check_scenarios, 1, precision, backend="nccl", timeout_s=600)
 
 
-def _check_other_mx_weight_form(rank: int, world: int, precision: str):
+def _check_other_mx_form(rank: int, world: int, precision: str):
     import dataclasses
 
     from titan_megamoe.kernels import configs
@@ -162,15 +162,20 @@ def _check_other_mx_weight_form(rank: int, world: int, precision: str):
     # This process's row only; the fused backend keys its buffers by the tiles.
     row = (configs.arch_of(torch.cuda.get_device_capability()), get_precision(precision).forward.name)
     table = configs.TILE_CONFIGS[row]
-    configs.TILE_CONFIGS[row] = dataclasses.replace(table, mx_dequantized_weights=1 - table.mx_dequantized_weights)
+    if table.mx_in_bf16:  # then the e4m3 operands, upcast in the mainloop against bf16 weights
+        other = dataclasses.replace(table, mx_in_bf16=0, mx_upcast=1, mx_dequantized_weights=1)
+    else:
+        other = dataclasses.replace(table, mx_dequantized_weights=1 - table.mx_dequantized_weights)
+    configs.TILE_CONFIGS[row] = other
     _check_scenarios(rank, world, precision)
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "mxfp8_wgrad_bf16"])
-def test_one_gpu_other_mx_weight_form(precision):
-    """The weight form (e4m3 with scales, or dequantized to bf16) the tile table does not pick."""
+def test_one_gpu_other_mx_form(precision):
+    """The MX operand form the tile table does not pick: e4m3 with scales where it holds
+    them in bf16, else the other weight form (e4m3 with scales, or dequantized to bf16)."""
     _skip_unless_fused_runs(precision)
-    run_ranks(_check_other_mx_weight_form, 1, precision, backend="nccl", timeout_s=600)
+    run_ranks(_check_other_mx_form, 1, precision, backend="nccl", timeout_s=600)
 
 
 @pytest.mark.parametrize("precision", list(TOLERANCES))
