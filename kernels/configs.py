@@ -218,7 +218,8 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ),
     # mxfp8's K steps span one or two scale blocks (the scaled MMA takes whole ones); the
     # weight gradients' two, so each expert's tokens are padded to 64; token-major copies
-    # read two scale blocks of the arriving rows per program.
+    # read two scale blocks of the arriving rows per program; transposes of whole scale
+    # blocks (weights in bf16 are rounded as they are transposed).
     ("interpret", "mxfp8"): TileConfig(
         block_m=16,
         gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
@@ -226,7 +227,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=64, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
         dgrad_m=16, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
-        copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
+        copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=32,
         wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=64,
     ),
 }

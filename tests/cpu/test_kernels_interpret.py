@@ -121,9 +121,12 @@ def test_tile_rows_meet_the_kernels_constraints():
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]
-        # Epilogues store h and [da | db] in whole scale blocks.
+        # Epilogues store h and [da | db] in whole scale blocks; MX weights in bf16 are
+        # rounded as they are transposed, whole blocks per tile.
         for field in ("gemm1_n", "grad1_n", "grad1_saved_n", "copy_cols"):
             assert getattr(tiles, field) % scale_k == 0, (row, field)
+        if fmt.scaled_mma:
+            assert tiles.transpose_block % scale_k == 0, (row, "transpose_block")
         # A promoting mainloop's step stays inside one scale block (the weight gradients'
         # inside one token block); a scaled MMA's covers whole ones.
         for field in ("gemm1_k", "gemm2_k", "grad1_k", "dgrad_k", "wgrad_k"):
