@@ -52,7 +52,6 @@ from titan_megamoe.kernels.forward import (
     check_call,
     inputs_key,
     pad,
-    preact_shape,
     reduce,
     route,
     row_buffer,
@@ -62,6 +61,7 @@ from titan_megamoe.kernels.forward import (
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECOMPUTE_NEXT_TILE
 from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
 from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
@@ -97,6 +97,9 @@ class GradBuffers:
         self.grad_format = tiles.operand_format(precision.dgrad)
         """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad), as the kernels
         hold it (``TileConfig.operand_format``)."""
+        if tiles.w2_as_stored and self.grad_format.quantized:
+            raise ValueError(f"w2_as_stored = 1 reads W2 unquantized; the backward's format is "
+                             f"{self.grad_format.name}")
         self.wgrad_format = precision.wgrad
         """Format of the weight-gradient GEMMs."""
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
@@ -113,7 +116,7 @@ class GradBuffers:
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Most bytes a backward call takes from the caching allocator at once besides its
     outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
-    transposed weights (the GEMMs read every operand K-major), in e4m3 where the backward
+    transposed weights (W2's only where ``dy W2`` does not read it as stored), in e4m3 where the backward
     is quantized, with the e4m3 copies of ``dab`` and ``dy``; then, quantized, a pair of
     token-major copies for quantized weight gradients. A quantized forward adds ``h`` for
     the weight gradients and GEMM1's e4m3 weights."""
@@ -122,6 +125,7 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     hidden, inter, itemsize = shape.hidden, shape.inter, shape.dtype.itemsize
     parts = triton.cdiv(inter, tiles.grad1_n)
     weights = 3 * shape.local_experts * inter * hidden
+    transposed = weights // 3 * (2 if tiles.w2_as_stored else 3)
     fmt = grad.grad_format
     # A quantized operand per element: e4m3 and fp32 scales, or the activation dtype (held in bf16).
     scaled = 1 + 4 / fmt.row_scale_k if fmt.row_scale_k else itemsize
@@ -132,7 +136,7 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
         h_copy = rows * inter * itemsize if x_fmt.row_scale_k else 0
         total += h_copy + int(2 * weights // 3 * weight_bytes)
     if not fmt.quantized:
-        return total + weights * itemsize
+        return total + transposed * itemsize
     dy_copy = shape.capacity_tokens_per_rank * hidden if grad.dy_link.quantized else 0
     through_dgrad = (rows * 2 * inter + dy_copy) * scaled + weights * weight_bytes
     if grad.mx_wgrad_block:
@@ -259,14 +263,21 @@ def fused_backward(
     timeout_s: float,
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
-    forward's saved pre-activations (``preact_shape``), or None to recompute GEMM1."""
+    forward's saved pre-activations of the receive layout's first rows (``preact_shape``),
+    or None to recompute GEMM1 (for the rows past them too)."""
     shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
-    if preact is not None and tuple(preact.shape) != preact_shape(shape, tiles):
+    rows = buffers.recv.shape[0]
+    saved_rows = 0 if preact is None else preact.shape[0]
+    if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows
+                               or saved_rows % tiles.block_m):
         raise ValueError(
-            f"saved pre-activations have shape {tuple(preact.shape)}; expected {preact_shape(shape, tiles)}"
+            f"saved pre-activations have shape {tuple(preact.shape)}; expected [a multiple of {tiles.block_m} "
+            f"up to {rows}, {2 * shape.inter}] (preact_shape)"
         )
+    # Rows past the saved ones (when the routing brings them) recompute GEMM1.
+    recompute_past_saved = preact is not None and saved_rows < rows
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
     # Native weight gradients after a quantized forward: x and dy cross unquantized (the
     # expert inputs again, into the receive buffer's native view) and the scaled GEMMs
@@ -278,7 +289,6 @@ def fused_backward(
     resident = not quantize_on_read and buffers.resident == inputs
     order, send_start, _ = route(topk_idx, buffers, timeout_s, needs_input=not resident)
 
-    rows = buffers.recv.shape[0]
     block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if preact is None
                        else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
     parts = triton.cdiv(shape.inter, block_n)
@@ -294,7 +304,8 @@ def fused_backward(
     h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k else buffers.h
     w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = None
     sent, dy_sent = x, dy
-    # K-major copies of the weights as the backward's GEMMs read them.
+    # K-major copies of the weights as the backward's GEMMs read them (W2 as stored where
+    # the row says so).
     if fmt.quantized:
         in_bf16 = weights_in_bf16(fmt, tiles)
         w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block, in_bf16)
@@ -308,15 +319,16 @@ def fused_backward(
             dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
         w2t_scales = w13t_scales = None
-        w2t = transposed_side_by_side([w2], tiles.transpose_block)
+        w2t = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
         w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
-    if x_fmt.quantized and preact is None:
+    if x_fmt.quantized and (preact is None or recompute_past_saved):
         (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles))
     if x_fmt.quantized and not score_before_experts and not quantize_on_read:
         sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
-    dispatch_grad_gemm1_kernel[(num_programs,)](
+    first_kernel = functools.partial(
+        dispatch_grad_gemm1_kernel[(num_programs,)],
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
         buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
@@ -325,8 +337,7 @@ def fused_backward(
         w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q, dab_scales,
         score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
-        SCORE_BEFORE_EXPERTS=score_before_experts, RECOMPUTE=preact is None,
-        COMM_PROGRAMS=comm_programs, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
+        SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
@@ -335,9 +346,17 @@ def fused_backward(
         QUANTIZE_ON_READ=quantize_on_read,
         POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
         ZERO_PADDING=not grad.wgrad_format.quantized and not grad.dy_link.quantized,
-        X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k,
-        num_warps=tiles.grad1_warps, num_stages=stages,
+        X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k, W2_AS_STORED=bool(tiles.w2_as_stored),
+        num_warps=tiles.grad1_warps,
     )
+    first_kernel(0, saved_rows or rows, RECOMPUTE=preact is None, ROUND_PREACT=False,
+                 NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs, num_stages=stages)
+    if recompute_past_saved:
+        # The rows past the saved ones, if any arrived: GEMM1 recomputed and rounded as the
+        # forward would have saved it, in tiles as wide (the score-gradient parts are per
+        # tile column), after the first launch has dispatched every row.
+        first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True,
+                     NEXT_TILE=RECOMPUTE_NEXT_TILE.value, COMM_PROGRAMS=0, num_stages=tiles.grad1_stages)
     rows_gemm_combine_kernel[(num_programs,)](
         dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,

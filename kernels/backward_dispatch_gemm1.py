@@ -9,10 +9,11 @@ program then takes tiles (TILE_M rows x BLOCK_N intermediate columns) from a dev
 counter in arrival order; a tile waits only for the chunks its rows come from, and:
 
 - has the pre-activations ``g = x W1^T``, ``u = x W3^T`` (recomputed, or read from the
-  forward's ``preact`` when it saved them);
+  forward's ``preact`` when it saved them; where it saved only the layout's first rows,
+  a second launch with no dispatching programs recomputes the tiles of the others);
 - computes ``d = dy W2`` (the gradient reaching ``h`` before the score), from ``w2t``,
-  W2 transposed per expert to ``[I, H]`` (K-major: an N-major operand runs at a fraction
-  of the speed);
+  W2 transposed per expert to ``[I, H]`` (K-major), or, unquantized, from W2 as stored
+  (``W2_AS_STORED``: an N-major B operand);
 - stores the partial score gradient ``<h, d>`` over its columns (``score_parts``, summed
   in fixed order by the next kernel), and with ``dh = score * d`` (or ``d`` when the score
   was applied before the experts), ``da = dh * u * silu'(g)``, ``db = dh * silu(g)``, into
@@ -38,7 +39,7 @@ from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_ro
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import quantize_tile, round_rows
-from titan_megamoe.kernels.sync import EPOCH, GEMM1_NEXT_TILE, NUM_BLOCKS, NUM_ITEMS
+from titan_megamoe.kernels.sync import EPOCH, NUM_BLOCKS, NUM_ITEMS
 
 
 @triton.jit
@@ -48,9 +49,10 @@ def dispatch_grad_gemm1_kernel(
     recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, state,
     local_base, local_rows, src_offset, src_rows, w1, w1_scales, w2t, w2t_scales, w3, w3_scales,
     preact, h_wgrad, dab, dab_q, dab_scales, score_parts,
-    rank, ep, local_experts, rows_per_rank,
+    rank, ep, local_experts, rows_per_rank, first_row, end_row,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, ROUND_PREACT: tl.constexpr,
+    NEXT_TILE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -58,8 +60,14 @@ def dispatch_grad_gemm1_kernel(
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
     ZERO_PADDING: tl.constexpr, X_ROUND_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr,
+    W2_AS_STORED: tl.constexpr,
 ):
-    """``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
+    """The tiles of the receive layout's rows ``first_row .. end_row`` (multiples of
+    ``BLOCK_M``), taken from the state counter ``NEXT_TILE``. ``RECOMPUTE``: GEMM1 is
+    recomputed (``ROUND_PREACT``: its results rounded to ``ACT_DTYPE``, as the forward
+    would have saved them), else read from ``preact``.
+
+    ``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
     forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
     quantized, ``dy W2`` is scaled, and ``[da | db]`` is also stored quantized for the
     dgrad GEMM (``dab_q``, ``dab_scales``, after rounding to ``ACT_DTYPE``); weights are
@@ -92,11 +100,12 @@ def dispatch_grad_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
+    last_row = tl.minimum(tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M, end_row)
+    num_tiles = tl.maximum(last_row - first_row, 0) // TILE_M * n_tiles
     out_dtype = dab.dtype.element_ty
-    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+    tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
-        row0 = (tile // n_tiles) * TILE_M
+        row0 = first_row + (tile // n_tiles) * TILE_M
         n_tile = tile % n_tiles
         le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
         base = tl.load(local_base + le)
@@ -114,6 +123,9 @@ def dispatch_grad_gemm1_kernel(
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
                            TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
+            if ROUND_PREACT:
+                g = g.to(ACT_DTYPE).to(tl.float32)
+                u = u.to(ACT_DTYPE).to(tl.float32)
         else:
             at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
             g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
@@ -123,6 +135,7 @@ def dispatch_grad_gemm1_kernel(
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, n0, 0, HIDDEN, INTER, HIDDEN,
             TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K, UPCAST_DOT,
+            W2_AS_STORED,
         )
 
         sig = tl.sigmoid(g)
@@ -180,4 +193,4 @@ def dispatch_grad_gemm1_kernel(
                     zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
                     tl.store(recv + at_x, zero, mask=zmask)
                     tl.store(recv_grad + at_x, zero, mask=zmask)
-        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+        tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)

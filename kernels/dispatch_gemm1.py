@@ -175,7 +175,7 @@ def wait_rows(
 def dispatch_gemm1_kernel(
     x, x_scales, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_scales, recv_meta, flags, state, local_base, src_offset, src_rows,
-    w1, w1_scales, w3, w3_scales, h, h_scales, preact,
+    w1, w1_scales, w3, w3_scales, h, h_scales, preact, saved_rows,
     rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
     SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
@@ -188,7 +188,8 @@ def dispatch_gemm1_kernel(
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
     intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]``
-    into ``preact`` ``[rows, 2 * INTER]`` for the backward.
+    of the layout's first ``saved_rows`` rows (a multiple of ``BLOCK_M``) into ``preact``
+    ``[saved_rows, 2 * INTER]`` for the backward, which recomputes the others.
 
     ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
     ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``
@@ -241,9 +242,10 @@ def dispatch_gemm1_kernel(
             kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
             tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs, mask=kb[None, :] < H_SCALE_COLS)
         if SAVE_PREACT:
-            at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
-            tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
-            tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=mask)
+            if row0 < saved_rows:
+                at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
+                tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
+                tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=mask)
         tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
 
 
@@ -260,5 +262,5 @@ def gate_up(
     (``tile_gemm``)."""
     return tile_gemm(
         recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN, INTER, HIDDEN,
-        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, False,
     )

@@ -280,9 +280,15 @@ def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, timeout_s: float, nee
     return order.to(torch.int32), send_start, tokens_per_expert
 
 
-def preact_shape(shape: ForwardShape, tiles: TileConfig) -> tuple[int, int]:
-    """Shape of the saved pre-activations ``[gate | up]`` of one call."""
-    return shape.receive_rows(tiles.block_m), 2 * shape.inter
+def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float) -> tuple[int, int]:
+    """Shape of the saved pre-activations ``[gate | up]`` of one call: the receive
+    layout's first rows, ``load`` times the layout's rows at the mean load (the rows a
+    rank receives on average, plus half a block of alignment padding per local expert),
+    in whole blocks and at most the receive buffer's rows
+    (``OperatorSettings.save_gemm1_load``)."""
+    bm = tiles.block_m
+    rows = math.ceil(load * (shape.rows_per_rank + shape.local_experts * bm // 2) / bm) * bm
+    return min(rows, shape.receive_rows(bm)), 2 * shape.inter
 
 
 def fused_forward(
@@ -303,7 +309,7 @@ def fused_forward(
 
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
-    receives GEMM1's pre-activations for the backward. With a quantized
+    receives GEMM1's pre-activations of the receive layout's first rows for the backward. With a quantized
     ``buffers.row_format`` the weights are quantized in its weight blocks and ``x`` once
     per token before the kernels send it (held in bf16: rounded so).
     """
@@ -327,7 +333,7 @@ def fused_forward(
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
         buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.src_offset,
         buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
-        buffers.h if preact is None else preact,
+        buffers.h if preact is None else preact, 0 if preact is None else preact.shape[0],
         shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_PREACT=preact is not None,

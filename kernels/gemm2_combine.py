@@ -74,7 +74,7 @@ def rows_gemm_combine_kernel(
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, None, None, le, n0, 0, K, N, K,
-            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT,
+            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT, False,
         )
 
         live = rows < end

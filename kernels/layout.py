@@ -37,6 +37,7 @@ from titan_megamoe.kernels.sync import (
     GEMM2_FINISHED,
     NUM_BLOCKS,
     NUM_ITEMS,
+    RECOMPUTE_NEXT_TILE,
     TIMEOUT_NS,
     fail,
     peer_pointer,
@@ -77,6 +78,7 @@ def layout_kernel(
     tl.store(state + EPOCH, epoch)
     tl.store(state + TIMEOUT_NS, timeout_ns)
     tl.store(state + GEMM1_NEXT_TILE, 0)
+    tl.store(state + RECOMPUTE_NEXT_TILE, 0)
     tl.store(state + GEMM2_FINISHED, 0)
     num_experts = ep * local_experts
 

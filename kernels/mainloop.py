@@ -2,10 +2,12 @@
 
 ``tile_gemm`` computes one ``BLOCK_M x BLOCK_N`` tile of ``A B^T`` in fp32: ``A [rows, K]``
 K-major rows, ``B [experts, N, K]`` one weight per expert, also K-major (Hopper's fp8 MMA
-takes K-major operands only, and an N-major bf16 operand runs at a fraction of the speed),
-over the columns ``k_start .. k_end`` of K (the weight gradients contract one expert's
-token range of token-major copies). With ``TWO_B`` a second B of the same shape shares
-each A tile (GEMM1's W1 and W3).
+takes K-major operands only), or, unscaled, ``[experts, K, N]`` with ``B_N_MAJOR`` (a
+weight read as stored instead of from a transposed copy; as fast in Triton 3.6 on H200
+at K = 2,048, 6% slower at 4,096: docs/perf.md v21), over the columns ``k_start ..
+k_end`` of K (the weight gradients contract one expert's token range of token-major
+copies). With ``TWO_B`` a second B of the same shape shares each A tile (GEMM1's W1 and
+W3).
 
 Quantized operands (e4m3) bring fp32 scales: A one per row per ``SCALE_K`` elements along
 K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
@@ -89,7 +91,7 @@ def tile_gemm(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
-    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr,
 ):
     """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
     ``(A B^T, A B2^T)``.
@@ -107,11 +109,12 @@ def tile_gemm(
     unused), or rounded in their dtype for unscaled operands (``SCALE_K`` 0: MX held in
     bf16, ``BLOCK_K`` a multiple of it).
     ``UPCAST_DOT``: operands go to the dot in fp32 (the Triton interpreter computes bf16
-    dots wrongly).
+    dots wrongly). ``B_N_MAJOR``: B (and B2) are ``[experts, K, N]``; unscaled only.
     """
     PROMOTE: tl.constexpr = (SCALE_K > 0) & (not MX_DOT)
     if PROMOTE:
         tl.static_assert(SCALE_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_K")
+    tl.static_assert((not B_N_MAJOR) | (SCALE_K == 0), "an N-major B is read unscaled only")
     if MX_DOT:
         tl.static_assert(SCALE_K > 0, "an MX dot needs scales")
         tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "an MX dot takes whole 1 x SCALE_K blocks")
@@ -132,7 +135,12 @@ def tile_gemm(
     # inside the loop keep the compiler from pipelining its loads.
     a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
     expert_offset = tl.cast(expert, tl.int64) * N * K
-    b_tile = cols[None, :] * K + ks[:, None]
+    # Elements between one K row of a B tile and the next.
+    B_K_STRIDE: tl.constexpr = N if B_N_MAJOR else 1
+    if B_N_MAJOR:
+        b_tile = ks[:, None] * N + cols[None, :]
+    else:
+        b_tile = cols[None, :] * K + ks[:, None]
     b_ptrs = b + expert_offset + b_tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TWO_B:
@@ -214,9 +222,9 @@ def tile_gemm(
                 x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
                 if QUANTIZE_A > 0:
                     x = round_rows(x.to(tl.float32), QUANTIZE_A).to(x.dtype)
-                y = tl.load(b_ptrs + k, mask=b_mask, other=0.0)
+                y = tl.load(b_ptrs + k * B_K_STRIDE, mask=b_mask, other=0.0)
                 if TWO_B:
-                    y2 = tl.load(b2_ptrs + k, mask=b_mask, other=0.0)
+                    y2 = tl.load(b2_ptrs + k * B_K_STRIDE, mask=b_mask, other=0.0)
                 part = _dot(x, y, part, UPCAST_DOT)
                 if TWO_B:
                     part2 = _dot(x, y2, part2, UPCAST_DOT)

@@ -73,6 +73,8 @@ GEMM1_NEXT_TILE = tl.constexpr(3)
 GEMM2_FINISHED = tl.constexpr(4)
 TIMEOUT_NS = tl.constexpr(5)
 STATUS_ADDR = tl.constexpr(6)
+RECOMPUTE_NEXT_TILE = tl.constexpr(7)
+"""The backward's tile counter for the rows whose pre-activations were not saved."""
 STATE_WORDS = 8
 
 ABORT = tl.constexpr(0)

@@ -48,7 +48,7 @@ from titan_megamoe import cpu_compat
 from titan_megamoe.ops import BACKENDS, resolve_backend
 from titan_megamoe.precision import GROUPED_MM_FLOAT8, PRECISION_CHOICES, get_precision
 from titan_megamoe.reference import relative_error
-from titan_megamoe.settings import OperatorSettings
+from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 # TorchTitan (and the modules of this package that build on it) take seconds to import;
 # the functions that build layers import them, so that the launcher answers at once.
@@ -123,6 +123,15 @@ def nonnegative_int(text: str) -> int:
     return _int(text, 0, "an integer >= 0")
 
 
+def positive_float(text: str) -> float:
+    try:
+        if float(text) > 0:
+            return float(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+
+
 def token_counts(text: str) -> list[int]:
     return [_int(t, 1, "a token count (an integer > 0)") for t in text.split(",")]
 
@@ -164,6 +173,9 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                    help="mega_moe fused: dispatching programs (0: default)")
     p.add_argument("--save-gemm1", action="store_true",
                    help="mega_moe fused: the forward keeps GEMM1's pre-activations for the backward")
+    p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
+                   help="mega_moe fused, with --save-gemm1: rows saved, as a multiple of the mean a rank "
+                        f"receives; the backward recomputes the others (default {DEFAULT_SAVE_GEMM1_LOAD})")
     p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
     p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
     p.add_argument("--out", default="outputs/bench_layer")
@@ -232,7 +244,8 @@ def worker_argv(args) -> list[str]:
     argv = [
         "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
         "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
-        "--comm-sms", str(args.comm_sms), "--warmup", str(args.warmup), "--iters", str(args.iters),
+        "--comm-sms", str(args.comm_sms), "--save-gemm1-load", str(args.save_gemm1_load),
+        "--warmup", str(args.warmup), "--iters", str(args.iters),
         "--out", args.out,
     ]
     flags = {"--forward-only": args.forward_only, "--save-gemm1": args.save_gemm1,
@@ -562,7 +575,8 @@ def describe(meta) -> str:
     fused = ""
     if meta["backend"] == "fused":
         fused = (f", comm_sms {meta['comm_sms']}, "
-                 f"GEMM1 {'saved' if meta['save_gemm1'] else 'recomputed'} for the backward")
+                 + (f"GEMM1 saved for the backward up to {meta['save_gemm1_load']}x the mean load"
+                    if meta["save_gemm1"] else "GEMM1 recomputed for the backward"))
     return (
         f"{meta['device']} x{meta['ep']} ({meta['dist_backend']}, EP={meta['ep']}), {meta['dtype']}; "
         f"mega_moe {backend}, {precision}{fused}; "
@@ -686,12 +700,14 @@ def run(args, device, note) -> None:
         "precision": args.precision_name, "precision_requested": args.precision,
         "backend": args.resolved_backend, "backend_reason": args.backend_reason,
         "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "save_gemm1": args.save_gemm1,
-        "forward_only": args.forward_only, "iters": args.iters, "warmup": args.warmup,
+        "save_gemm1_load": args.save_gemm1_load, "forward_only": args.forward_only, "iters": args.iters,
+        "warmup": args.warmup,
     }
     say(f"[bench_layer] {describe(meta)}")
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
-                                comm_sms=args.comm_sms, save_gemm1=args.save_gemm1)
+                                comm_sms=args.comm_sms, save_gemm1=args.save_gemm1,
+                                save_gemm1_load=args.save_gemm1_load)
     settings = {"mega_moe": settings, "mega_moe_bf16": settings.replace(precision="bf16", backend=args.bf16_backend)}
     timer = Timer(device)
     meta["matmul_peak_tflops"] = matmul_peak_tflops(device)

@@ -33,10 +33,10 @@ from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import PRECISION_CHOICES, get_precision
-from titan_megamoe.settings import OperatorSettings
+from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import matmul_peak_tflops  # noqa: E402  (the bench's peak, measured the same way)
+from bench_layer import matmul_peak_tflops, positive_float  # noqa: E402  (the bench's peak, measured the same way)
 
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
@@ -124,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the operator's precision; --tiles edit the rows of its forward and backward formats")
     p.add_argument("--backward", action="store_true", help="forward + backward per call")
     p.add_argument("--save-gemm1", action="store_true", help="the forward saves GEMM1's pre-activations")
+    p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
+                   help="with --save-gemm1: rows saved, as a multiple of the mean a rank receives (the "
+                        "backward recomputes the others)")
     p.add_argument("--iters", type=positive_int, default=10)
     p.add_argument("--out", default="outputs/profile_layer")
     return p.parse_args(argv)
@@ -155,16 +158,22 @@ def main():
     rows = 0
     # The rows the precision's kernels read: the forward format's, and the backward's
     # (which also tiles the weight gradients) where it differs (fp8_bwd).
+    # A variant changes the rows as this shape reads them (NARROW_HIDDEN applied), and
+    # stands alone while it runs.
+    hidden = SHAPES[args.shape][0]
     tables = {(arch, f.name): configs.TILE_CONFIGS[arch, f.name] for f in (precision.forward, precision.dgrad)}
+    resolved = {row: configs.tile_config(*row, hidden) for row in tables}
+    narrow = {row: configs.NARROW_HIDDEN.pop(row) for row in tables if row in configs.NARROW_HIDDEN}
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
     for comm_sms, changes in variants:
         # Each variant's tiles key buffers of their own in the fused backend.
-        for row, table in tables.items():
+        for row, table in resolved.items():
             configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
         tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
         label = f"comm_sms={comm_sms} tiles={tiles}"
         settings = OperatorSettings(precision=args.precision, backend="fused", capacity_tokens_per_rank=args.tokens,
-                                    comm_sms=comm_sms, save_gemm1=args.save_gemm1)
+                                    comm_sms=comm_sms, save_gemm1=args.save_gemm1,
+                                    save_gemm1_load=args.save_gemm1_load)
 
         def call():
             y, received = mega_moe(x, *rest, group, score_before_experts=False, settings=settings)
@@ -194,8 +203,9 @@ def main():
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
                           "kernels_ms": dict(kernels)}
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
+    configs.NARROW_HIDDEN.update(narrow)
     if rank == 0:
-        hidden, inter, _, _ = SHAPES[args.shape]
+        inter = SHAPES[args.shape][1]
         flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")

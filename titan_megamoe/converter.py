@@ -69,7 +69,7 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     return problems
 
 
-FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "save_gemm1", "timeout_s")
+FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "save_gemm1", "save_gemm1_load", "timeout_s")
 """``[mega_moe]`` keys that only the fused backend reads."""
 
 
@@ -143,6 +143,7 @@ class MegaMoEConverter:
             or job_config.training.local_batch_size * job_config.training.seq_len,
             comm_sms=cfg.comm_sms,
             save_gemm1=cfg.save_gemm1,
+            save_gemm1_load=float(cfg.save_gemm1_load),
             timeout_s=float(cfg.timeout_s),
         )
         logger.info(

@@ -7,8 +7,9 @@ capacity (required when EP > 1) the shape is fixed; a single rank without one si
 buffers for the call's tokens and replaces them when a call brings another count, so
 memory does not grow with every new token count. Per layer, the backward keeps nothing but the
 op's inputs (it re-derives the routing layout on the device), plus, with
-``settings.save_gemm1``, GEMM1's pre-activations (``saved_shape``), which spares it
-recomputing GEMM1.
+``settings.save_gemm1``, GEMM1's pre-activations of up to ``settings.save_gemm1_load``
+times the mean rows a rank receives (``saved_shape``), which spares it recomputing GEMM1
+for those rows.
 
 What a call needs besides its tensors (the buffers, the program counts, the saved shape)
 is resolved at the first call of its kind and looked up after (``CallPlan``): at small
@@ -63,10 +64,11 @@ _PLANS: dict[tuple, CallPlan] = {}
 """Plans by what decides them (``_plan``)."""
 
 
-def _tiles(device: torch.device, fmt: Format) -> TileConfig:
-    """The tile-table row of the kernels whose GEMMs run in ``fmt`` on ``device``."""
+def _tiles(device: torch.device, fmt: Format, hidden: int) -> TileConfig:
+    """The tile-table row of the kernels whose GEMMs run in ``fmt`` on ``device`` for a
+    layer of ``hidden`` size."""
     target, _ = fused_support.arch(device)
-    return tile_config(target, fmt.name)
+    return tile_config(target, fmt.name, hidden)
 
 
 def _check_runs(x: torch.Tensor, settings: OperatorSettings) -> None:
@@ -100,10 +102,10 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
 
 
 def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, settings: OperatorSettings) -> ForwardBuffers:
-    tiles = _tiles(device, settings.precision.forward)
+    tiles = _tiles(device, settings.precision.forward, shape.hidden)
     sized_by_call = not settings.capacity_tokens_per_rank
     key_shape = dataclasses.replace(shape, capacity_tokens_per_rank=0) if sized_by_call else shape
-    grad_tiles = _tiles(device, settings.precision.dgrad)
+    grad_tiles = _tiles(device, settings.precision.dgrad, shape.hidden)
     key = ("" if group is None else group.group_name, str(device), key_shape, settings.precision.name, tiles, grad_tiles)
     held = _BUFFERS.get(key)
     if held is not None and held.shape == shape:
@@ -115,7 +117,7 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
             del _PLANS[stale]
     sized_for = f"{dataclasses.replace(shape, rank=0)} precision {settings.precision.name}, {tiles}"
     buffers = ForwardBuffers(shape, tiles, device, symm.allocator(group, device, sized_for))
-    rows, cols = preact_shape(shape, tiles)
+    rows, cols = preact_shape(shape, tiles, settings.save_gemm1_load)
     target, _ = fused_support.arch(device)
     logger.info(
         f"mega_moe fused: {settings.precision.name} GEMMs on {target}: "
@@ -123,7 +125,8 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
         f"{buffers.local_bytes / 2**30:.2f} GiB local; saving GEMM1's pre-activations would keep "
-        f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer"
+        f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer ({rows} of "
+        f"{shape.receive_rows(tiles.block_m)} receive rows: save_gemm1_load {settings.save_gemm1_load})"
     )
     _BUFFERS[key] = buffers
     _start_reporting()
@@ -134,7 +137,8 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
     if id(buffers) not in _GRAD_BUFFERS:
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
         allocate = symm.allocator(group, buffers.recv.device, sized_for)
-        grad = GradBuffers(buffers, allocate, settings.precision, _tiles(buffers.recv.device, settings.precision.dgrad))
+        grad_tiles = _tiles(buffers.recv.device, settings.precision.dgrad, buffers.shape.hidden)
+        grad = GradBuffers(buffers, allocate, settings.precision, grad_tiles)
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
             f"plus {per_call_bytes(buffers, grad) / 2**30:.2f} GiB per backward call"
@@ -219,7 +223,8 @@ def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) 
     GEMM1 is recomputed instead)."""
     if not settings.save_gemm1:
         return 0, 2 * w1.shape[1]
-    return preact_shape(_shape(x, topk_idx, w1, group, settings), _tiles(x.device, settings.precision.forward))
+    tiles = _tiles(x.device, settings.precision.forward, x.shape[1])
+    return preact_shape(_shape(x, topk_idx, w1, group, settings), tiles, settings.save_gemm1_load)
 
 
 def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
@@ -230,8 +235,8 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
     gets buffers and kernels of its own."""
     key = (
         settings.encode(),  # what the ops carry; a string hashes once, a dataclass at every lookup
-        _tiles(x.device, settings.precision.forward),
-        _tiles(x.device, settings.precision.dgrad),
+        _tiles(x.device, settings.precision.forward, x.shape[1]),
+        _tiles(x.device, settings.precision.dgrad, x.shape[1]),
         None if group is None else (group.group_name, group.rank()),
         x.device,
         x.dtype,

@@ -18,6 +18,10 @@ DEFAULT_TIMEOUT_S = 300.0
 """How long any wait of the fused kernels on a peer may last before every rank of the
 group fails (long enough for a peer that is compiling or loading data)."""
 
+DEFAULT_SAVE_GEMM1_LOAD = 1.25
+"""``save_gemm1_load``'s default: routings that load a rank up to a quarter above the mean
+recompute nothing."""
+
 
 @dataclass(frozen=True)
 class OperatorSettings:
@@ -36,6 +40,12 @@ class OperatorSettings:
     """Fused: the forward keeps GEMM1's pre-activations, in the activations' dtype, for
     the backward (else the backward recomputes GEMM1). The reference recomputes them and
     rounds them to that dtype, so that both backends compute the same gradients."""
+    save_gemm1_load: float = DEFAULT_SAVE_GEMM1_LOAD
+    """Fused, with ``save_gemm1``: the saved pre-activations hold the rows a rank receives
+    up to this multiple of the mean (``capacity_tokens_per_rank`` x top-k rows, plus half a
+    block of alignment padding per local expert), at most every row any routing can bring
+    (about EP x the mean); the backward recomputes GEMM1 for the rows past them. Sizes
+    what each layer keeps."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Fused: wall-clock limit of any wait on a peer; past it every rank raises."""
 
@@ -46,6 +56,9 @@ class OperatorSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} = {value!r} is not valid; expected an integer >= 0")
+        if isinstance(self.save_gemm1_load, bool) or not self.save_gemm1_load > 0:
+            raise ValueError(f"save_gemm1_load = {self.save_gemm1_load!r} is not valid; expected a multiple of "
+                             "the mean load > 0")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s = {self.timeout_s!r} is not valid; expected seconds > 0")
         # Encoded here, once: the object is frozen, and ``mega_moe`` passes the string at every call.
@@ -73,6 +86,7 @@ class OperatorSettings:
         the objects are frozen, so every call with one string can share one."""
         raw = dict(item.split("=", 1) for item in encoded.split(";"))
         types = {"capacity_tokens_per_rank": int, "comm_sms": int, "timeout_s": float,
+                 "save_gemm1_load": float,
                  "save_gemm1": lambda v: bool(int(v)), "precision": get_precision, "backend": str}
         return cls(**{name: types[name](value) for name, value in raw.items()})
 

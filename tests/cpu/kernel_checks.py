@@ -26,7 +26,7 @@ def gemm_tile_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
-    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr,
 ):
     """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,13 +37,13 @@ def gemm_tile_kernel(
     if TWO_B:
         acc, acc2 = tile_gemm(
             a, a_scale, rows, b, b_scale, b2, b2_scale, expert, n0, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, B_N_MAJOR,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
             a, a_scale, rows, b, b_scale, None, None, expert, n0, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, B_N_MAJOR,
         )
     tl.store(out + at, acc, mask=mask)
 
@@ -60,15 +60,16 @@ def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: Format,
-                  block_m: int, block_n: int, block_k: int, mx_upcast: bool = False, **launch):
+                  block_m: int, block_n: int, block_k: int, mx_upcast: bool = False, n_major: bool = False,
+                  **launch):
     """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
-    ``[E, N, K]``, scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
+    ``[E, N, K]`` (``n_major``: ``[E, K, N]``), scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
     mainloop quantizes it as it reads it, or, MX held in bf16, rounds it; quantized ``b``
     without ``b_scales``: bf16 values
     already dequantized; ``mx_upcast``: MX tiles upcast in the mainloop, not handed to
     ``tl.dot_scaled``); returns ``(out, out2 or None)`` ``[M, N]`` fp32."""
     m, k = a.shape
-    n = b.shape[1]
+    n = b.shape[2 if n_major else 1]
     m_pad = triton.cdiv(m, block_m) * block_m
     out = torch.full((m, n), float("nan"), device=a.device)
     out2 = None if b2 is None else torch.full_like(out, float("nan"))
@@ -78,7 +79,8 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
         N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
         SCALE_K=fmt.row_scale_k,
         B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx_dot(fmt, mx_upcast),
-        QUANTIZE_A=(fmt.row_scale_k or fmt.round_k) if a_scales is None else 0, UPCAST_DOT=INTERPRET, **launch,
+        QUANTIZE_A=(fmt.row_scale_k or fmt.round_k) if a_scales is None else 0, UPCAST_DOT=INTERPRET,
+        B_N_MAJOR=n_major, **launch,
     )
     return out, out2
 
@@ -160,13 +162,16 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
         expected = [a.double() @ b[-1].double().T for b in bs]
         for block_k in block_ks:
             for two_b in (False, True):
-                outs = run_tile_gemm(
-                    a.to(device), bs[0].to(device), bs[1].to(device) if two_b else None, None, None, None,
-                    experts - 1, NATIVE, block_m, block_n, block_k, **launch,
-                )
-                for got, want in zip(outs[: 1 + two_b], expected):
-                    err = relative_error(got.cpu(), want)
-                    assert err <= tolerances[name], (name, m, n, k, block_k, two_b, err, f"seed {seed}")
+                for n_major in (False, True):  # B as [E, N, K], or as [E, K, N] read N-major
+                    b_in = [b.transpose(1, 2).contiguous() if n_major else b for b in bs]
+                    outs = run_tile_gemm(
+                        a.to(device), b_in[0].to(device), b_in[1].to(device) if two_b else None, None, None, None,
+                        experts - 1, NATIVE, block_m, block_n, block_k, n_major=n_major, **launch,
+                    )
+                    for got, want in zip(outs[: 1 + two_b], expected):
+                        err = relative_error(got.cpu(), want)
+                        assert err <= tolerances[name], (
+                            name, m, n, k, block_k, two_b, n_major, err, f"seed {seed}")
 
 
 @triton.jit

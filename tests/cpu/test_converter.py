@@ -47,6 +47,7 @@ def build_converters(job):
         ("capacity_tokens_per_rank", -1, "capacity_tokens_per_rank = -1 is not valid; expected an integer >= 0"),
         ("comm_sms", 1.5, "comm_sms = 1.5 is not valid"),
         ("timeout_s", 0.0, "timeout_s = 0.0 is not valid; expected seconds > 0"),
+        ("save_gemm1_load", -1.0, "save_gemm1_load = -1.0 is not valid; expected a multiple of the mean load > 0"),
     ],
 )
 def test_bad_section_values_name_field_and_choices(field, value, message):
@@ -122,12 +123,11 @@ def test_settings_reach_the_layers():
     job = parse("--training.local_batch_size=3", "--training.seq_len=512", "--mega_moe.comm_sms=24")
     assert MegaMoEConverter(job, None).settings.capacity_tokens_per_rank == 3 * 512
     job = parse("--mega_moe.capacity_tokens_per_rank=999", "--mega_moe.save_gemm1", "--mega_moe.timeout_s=7",
-                "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference")
+                "--mega_moe.save_gemm1_load=2", "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference")
     converter = MegaMoEConverter(job, None)
     settings = converter.settings
-    assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.save_gemm1, settings.timeout_s) == (
-        999, 0, True, 7.0
-    )
+    assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.save_gemm1, settings.save_gemm1_load,
+            settings.timeout_s) == (999, 0, True, 2.0, 7.0)
     assert (settings.precision.name, settings.backend) == ("fp8_bwd", "reference")
     model = debug_model("qwen3")
     converter.convert(model)

@@ -51,23 +51,29 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
     bf16 = get_precision("bf16")
 
-    cases = [(37, "random", False, False), (37, "random", True, True),
-             (20, "skewed", False, True), (20, "skewed", True, False), (1, "random", False, False)]
-    for num_tokens, routing, score_before, save in cases:
+    # (tokens, routing, score before the experts, GEMM1 saved, rows saved as a multiple
+    # of the mean): at a third of it, GEMM1 is saved for some rows and recomputed for others.
+    cases = [(37, "random", False, False, 1.25), (37, "random", True, True, 1.25),
+             (20, "skewed", False, True, 1.25), (20, "skewed", True, False, 1.25), (1, "random", False, False, 1.25),
+             (37, "random", False, True, 0.34)]
+    for num_tokens, routing, score_before, save, load in cases:
         x, idx, w, w1, w2, w3 = _problem(num_tokens, routing, seed=num_tokens, dtype=dtype)
         dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(99)).to(dtype)
-        case = (num_tokens, routing, score_before, save)
+        case = (num_tokens, routing, score_before, save, load)
 
-        settings = _settings(save)
+        settings = _settings(save, save_gemm1_load=load)
 
         def fused_call():
             poison_fused_buffers()
             y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
             assert preact.shape[0] == (fused.saved_shape(x, idx, w1, None, settings)[0] if save else 0)
             grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
-            return y, counts, grads
+            return y, counts, grads, preact.shape[0]
 
-        y, counts, grads = fused_call()
+        y, counts, grads, saved_rows = fused_call()
+        if load < 1:  # the routing's layout reaches past the saved rows
+            bm = fused.tile_config("interpret", "native", HIDDEN).block_m
+            assert 0 < saved_rows < sum(-(-int(c) // bm) * bm for c in counts), case
         # The fp32 reference on the same (rounded) inputs.
         f32 = [t.float() for t in (x, w1, w2, w3)]
         y_ref, counts_ref = reference.moe_forward(f32[0], idx, w, *f32[1:], None, score_before, bf16)
@@ -78,7 +84,7 @@ def _check_against_reference(rank, world, dtype, tolerance):
             assert torch.isfinite(got).all(), (case, name)
             err = reference.relative_error(got, expected)
             assert err < tolerance, (case, name, err)
-        y_again, _, grads_again = fused_call()
+        y_again, _, grads_again, _ = fused_call()
         for name, got, again in zip(("y",) + GRADIENTS, (y,) + grads, (y_again,) + grads_again):
             assert torch.equal(got, again), (case, name, "not deterministic")
 
@@ -248,7 +254,7 @@ def _check_refusals(rank, world):
         t = torch.zeros(size, dtype=dtype)
         return t, torch.tensor([t.data_ptr()])
 
-    buffers = ForwardBuffers(shape, tile_config("interpret", "native"), torch.device("cpu"), record)
+    buffers = ForwardBuffers(shape, tile_config("interpret", "native", shape.hidden), torch.device("cpu"), record)
     rows = buffers.recv.shape[0]
     assert buffers.recv.dtype == torch.float8_e4m3fn and tuple(buffers.recv_scales.shape) == (rows, 2)
     assert allocations[0] == ((rows * 256 + rows * 2 * 4,), torch.uint8)

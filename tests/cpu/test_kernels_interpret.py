@@ -8,6 +8,8 @@ The interpreter must be switched on before Triton kernels are defined, so each k
 check runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
 """
 
+import dataclasses
+
 import pytest
 
 from ranks import run_ranks
@@ -87,15 +89,20 @@ def test_tile_table_lookups(monkeypatch):
 
     monkeypatch.setattr(configs, "INTERPRET", True)
     assert configs.arch_of(None) == configs.arch_of((9, 0)) == "interpret"
-    assert configs.tile_config("interpret", "native") is configs.TILE_CONFIGS["interpret", "native"]
+    assert configs.tile_config("interpret", "native", 64) is configs.TILE_CONFIGS["interpret", "native"]
     monkeypatch.setattr(configs, "INTERPRET", False)
     assert configs.arch_of((9, 0)) == "sm90"
     assert configs.arch_of((10, 0)) == "sm100"
     assert configs.arch_of((12, 0)) is None
     assert configs.arch_of(None) is None
-    assert configs.tile_config("sm90", "native").block_m == 128
+    wide = configs.tile_config("sm90", "native", 4096)
+    assert wide is configs.TILE_CONFIGS["sm90", "native"] and wide.grad1_saved_n == 128
+    # The narrow-hidden change, made once.
+    narrow = configs.tile_config("sm90", "native", 2048)
+    assert narrow is configs.tile_config("sm90", "native", 1024)
+    assert narrow == dataclasses.replace(wide, grad1_saved_n=64)
     with pytest.raises(ValueError, match=r"architecture 'sm100' and format 'fp8_block'; rows: \(sm90, native\)"):
-        configs.tile_config("sm100", "fp8_block")
+        configs.tile_config("sm100", "fp8_block", 4096)
 
 
 def test_tile_rows_meet_the_kernels_constraints():
@@ -104,8 +111,10 @@ def test_tile_rows_meet_the_kernels_constraints():
     from titan_megamoe.kernels import configs
     from titan_megamoe.precision import FORMATS
 
-    for (arch, fmt_name), tiles in configs.TILE_CONFIGS.items():
-        row = (arch, fmt_name)
+    rows = [(row, tiles) for row, tiles in configs.TILE_CONFIGS.items()]
+    rows += [(row, configs.tile_config(*row, bound)) for row, (bound, _) in configs.NARROW_HIDDEN.items()]
+    for row, tiles in rows:
+        arch, fmt_name = row
         for field in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
             assert tiles.block_m % getattr(tiles, field) == 0, (row, field)
         # Precisions whose passes use two rows of one architecture read one receive layout.
@@ -115,6 +124,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         # values are exact in bf16.
         assert not tiles.mx_dequantized_weights or fmt.scaled_mma, row
         assert not tiles.mx_in_bf16 or fmt.scaled_mma, row
+        # W2 read as stored: an unscaled operand.
+        assert not tiles.w2_as_stored or not fmt.quantized, row
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
             fmt.scaled_mma and tiles.block_m % fmt.activation_block[1] == 0), row
@@ -138,8 +149,6 @@ def test_mx_operands_held_in_bf16():
     """A row with ``mx_in_bf16`` hands the kernels MX operands as unscaled bf16 values
     rounded in the format's blocks, other formats unchanged; it refuses the e4m3 forms
     beside it, and only power-of-two formats have a bf16 form."""
-    import dataclasses
-
     from titan_megamoe.kernels import configs
     from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE
 

@@ -45,6 +45,7 @@ profile_layer = load_script("profile_layer")
         (["--iters", "0"], ["--iters", "'0'"]),
         (["--warmup", "-1"], ["--warmup", "'-1'"]),
         (["--comm-sms", "-3"], ["--comm-sms", "'-3'"]),
+        (["--save-gemm1-load", "0"], ["--save-gemm1-load", "'0'"]),
         (["--shapes", "debug,30B"], ["--shapes", "'30B'"]),
         (["--shapes", "debug,debug"], ["--shapes", "'debug' is given twice"]),
         (["--variants", "stock,mega"], ["--variants", "'mega'"]),
@@ -107,7 +108,8 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
 
 
 def test_bench_layer_launcher_passes_what_it_resolved():
-    args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes"])
+    args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
+                                           "--save-gemm1-load", "0.5"])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
     assert vars(again) == vars(args)
@@ -121,6 +123,7 @@ def test_bench_layer_launcher_passes_what_it_resolved():
         (["--comm-sms", "8,x"], "'x'"),
         (["--tiles", "", "gemm2_n=128,stages=3"], "'stages'"),
         (["--tiles", "gemm2_n=big"], "'gemm2_n=big'"),
+        (["--save-gemm1-load", "many"], "'many'"),
     ],
 )
 def test_profile_layer_bad_arguments_name_the_value(argv, named, capsys):

@@ -81,12 +81,13 @@ def _check_scenarios(rank: int, world: int, precision: str):
     group = dist.group.WORLD if world > 1 else None
     same_tolerance, fp32_tolerance = TOLERANCES[precision]
 
-    def run(backend, problem, dy, score_before, save_gemm1=False, dtype=torch.bfloat16, precision=precision):
+    def run(backend, problem, dy, score_before, save_gemm1=False, dtype=torch.bfloat16, precision=precision,
+            load=1.25):
         x, idx, w, w1, w2, w3 = problem
         leaves = [t.detach().clone().to(dtype).requires_grad_(True) for t in (x, w1, w2, w3)]
         w = w.clone().requires_grad_(True)
         settings = OperatorSettings(precision=precision, backend=backend, capacity_tokens_per_rank=TOKENS,
-                                    save_gemm1=save_gemm1)
+                                    save_gemm1=save_gemm1, save_gemm1_load=load)
         y, counts = mega_moe(leaves[0], idx, w, *leaves[1:], group, score_before_experts=score_before,
                              settings=settings)
         y.backward(dy.to(dtype))
@@ -94,11 +95,12 @@ def _check_scenarios(rank: int, world: int, precision: str):
 
     kinds = list(TOKENS_BY_KIND) if world > 1 else ["random", "one_hot_expert", "single_token"]
     for seed, kind in enumerate(kinds):
-        for score_before, save_gemm1 in ((False, False), (True, True)):
+        # GEMM1 recomputed, saved, and saved for half the mean load (the rows past it recomputed).
+        for score_before, save_gemm1, load in ((False, False, 1.25), (True, True, 1.25), (False, True, 0.5)):
             problem = _problem(kind, rank, world, seed)
             dy = torch.randn_like(problem[0])
             poison_fused_buffers()
-            got, counts = run("fused", problem, dy, score_before, save_gemm1)
+            got, counts = run("fused", problem, dy, score_before, save_gemm1, load=load)
             ref, counts_ref = run("reference", problem, dy, score_before, save_gemm1)
             ref32, _ = run("reference", problem, dy, score_before, dtype=torch.float32, precision="bf16")
             torch.cuda.synchronize()
@@ -106,7 +108,8 @@ def _check_scenarios(rank: int, world: int, precision: str):
                 assert torch.isfinite(a).all(), (kind, score_before, name)
                 err_ref, err32 = relative_error(a, b), relative_error(a, b32)
                 row = max_row_error(a, b)
-                print(f"rank {rank} {precision} {kind} score_before={score_before} save={save_gemm1} {name}: "
+                print(f"rank {rank} {precision} {kind} score_before={score_before} save={save_gemm1} load={load} "
+                      f"{name}: "
                       f"vs reference {err_ref:.2e} (worst row {row:.2e}), vs fp32 {err32:.2e}")
                 quantized = precision != "bf16"
                 if not quantized or a.shape[0] >= STATISTICAL_MIN_ROWS:
