@@ -6,7 +6,7 @@ item's CHUNK_READY flag on the owner (protocol: ``sync``). Then every program, t
 included, takes GEMM1 tiles from a device counter, in expert-major order: a tile waits
 for the chunks its rows come from, computes ``x W1^T`` and ``x W3^T`` for BLOCK_N
 intermediate columns, and stores ``h = silu(g) * u`` in the activation dtype. The
-[rows, 2I] pre-activation reaches memory only with ``SAVE_PREACT`` (for the backward).
+[rows, 2I] pre-activation reaches memory only with ``SAVE_GEMM1`` (for the backward).
 ``dispatch_item``, ``wait_rows`` and ``gate_up`` are shared with the backward's first
 kernel, its transpose.
 
@@ -178,7 +178,7 @@ def dispatch_gemm1_kernel(
     w1, w1_scales, w3, w3_scales, h, h_scales, preact, saved_rows,
     rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_PREACT: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, SAVE_GEMM1: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -187,7 +187,7 @@ def dispatch_gemm1_kernel(
     ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
-    intermediate columns. ``SAVE_PREACT``: also store the pre-activations ``[gate | up]``
+    intermediate columns. ``SAVE_GEMM1``: also store the pre-activations ``[gate | up]``
     of the layout's first ``saved_rows`` rows (a multiple of ``BLOCK_M``) into ``preact``
     ``[saved_rows, 2 * INTER]`` for the backward, which recomputes the others.
 
@@ -241,7 +241,7 @@ def dispatch_gemm1_kernel(
             tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
             kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
             tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs, mask=kb[None, :] < H_SCALE_COLS)
-        if SAVE_PREACT:
+        if SAVE_GEMM1:
             if row0 < saved_rows:
                 at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
                 tl.store(at, g.to(preact.dtype.element_ty), mask=mask)

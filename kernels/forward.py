@@ -336,7 +336,7 @@ def fused_forward(
         buffers.h if preact is None else preact, 0 if preact is None else preact.shape[0],
         shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
-        SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_PREACT=preact is not None,
+        SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=preact is not None,
         COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
         EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
