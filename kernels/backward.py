@@ -350,13 +350,14 @@ def fused_backward(
         num_warps=tiles.grad1_warps,
     )
     first_kernel(0, saved_rows or rows, RECOMPUTE=preact is None, ROUND_PREACT=False,
-                 NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs, num_stages=stages)
+                 NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,
+                 EPILOGUE_PARTS=1 if preact is None else tiles.grad1_saved_parts, num_stages=stages)
     if recompute_past_saved:
         # The rows past the saved ones, if any arrived: GEMM1 recomputed and rounded as the
         # forward would have saved it, in tiles as wide (the score-gradient parts are per
         # tile column), after the first launch has dispatched every row.
-        first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True,
-                     NEXT_TILE=RECOMPUTE_NEXT_TILE.value, COMM_PROGRAMS=0, num_stages=tiles.grad1_stages)
+        first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True, NEXT_TILE=RECOMPUTE_NEXT_TILE.value,
+                     COMM_PROGRAMS=0, EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
     rows_gemm_combine_kernel[(num_programs,)](
         dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,

@@ -20,6 +20,10 @@ counter in arrival order; a tile waits only for the chunks its rows come from, a
   ``dab = [da | db]`` (``[rows, 2I]``, the A operand of ``dx = dab [W1 | W3]``);
 - stores ``h_wgrad = score * h`` (or ``h``), the operand of ``dW2 = dy^T h_wgrad``.
 
+Where GEMM1 was saved the SwiGLU backward may run over each half of the tile's columns in
+turn (``EPILOGUE_PARTS``): the ``dy W2`` accumulator stays whole, but only one half's
+temporaries are live beside it, so 128-column tiles keep to the registers.
+
 Padding rows of an expert's last block are stored as zeros (``dab``, ``h_wgrad``,
 and, for torch's bf16 grouped GEMMs, the received ``x`` and ``dy`` rows), so the
 weight-gradient GEMMs may run over whole blocks whatever the buffers held before.
@@ -60,7 +64,7 @@ def dispatch_grad_gemm1_kernel(
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
     ZERO_PADDING: tl.constexpr, X_ROUND_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr,
-    W2_AS_STORED: tl.constexpr,
+    W2_AS_STORED: tl.constexpr, EPILOGUE_PARTS: tl.constexpr,
 ):
     """The tiles of the receive layout's rows ``first_row .. end_row`` (multiples of
     ``BLOCK_M``), taken from the state counter ``NEXT_TILE``. ``RECOMPUTE``: GEMM1 is
@@ -102,7 +106,6 @@ def dispatch_grad_gemm1_kernel(
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
     last_row = tl.minimum(tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M, end_row)
     num_tiles = tl.maximum(last_row - first_row, 0) // TILE_M * n_tiles
-    out_dtype = dab.dtype.element_ty
     tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
         row0 = first_row + (tile // n_tiles) * TILE_M
@@ -117,8 +120,6 @@ def dispatch_grad_gemm1_kernel(
 
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         n0 = n_tile * BLOCK_N
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
         live = rows < end
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
@@ -126,10 +127,10 @@ def dispatch_grad_gemm1_kernel(
             if ROUND_PREACT:
                 g = g.to(ACT_DTYPE).to(tl.float32)
                 u = u.to(ACT_DTYPE).to(tl.float32)
-        else:
-            at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
-            g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(at + INTER, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        elif EPILOGUE_PARTS == 1:
+            # Loaded before the K loop, which hides their latency (two halves held
+            # through it would take the registers that the parts free).
+            g, u = _saved_preact(preact, rows, n0, BLOCK_N, INTER, BLOCK_N)
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
@@ -137,47 +138,31 @@ def dispatch_grad_gemm1_kernel(
             TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K, UPCAST_DOT,
             W2_AS_STORED,
         )
-
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        h = silu * u
-        tl.store(score_parts + rows * n_tiles + n_tile, tl.sum(h * d, axis=1), mask=live)
-        if SCORE_BEFORE_EXPERTS:
-            dh = d
+        if EPILOGUE_PARTS == 1:
+            score_part = _swiglu_backward(
+                d, g, u, n0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+            )
         else:
-            score = tl.load(recv_score + rows, mask=live, other=0.0)
-            dh = d * score[:, None]
-            h = h * score[:, None]
-        keep = live[:, None] & col_ok[None, :]
-        mask = col_ok[None, :]
-        da = tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
-        db = tl.where(keep, dh * silu, 0.0)
-        at = dab + rows[:, None] * (2 * INTER) + cols[None, :]
-        tl.store(at, da.to(out_dtype), mask=mask)
-        tl.store(at + INTER, db.to(out_dtype), mask=mask)
-        if GRAD_SCALE_K > 0:
-            tl.static_assert((BLOCK_N % GRAD_SCALE_K == 0) & (INTER % GRAD_SCALE_K == 0),
-                             "tiles and the intermediate size must hold whole scale blocks of [da | db]")
-            SCALE_COLS: tl.constexpr = 2 * INTER // GRAD_SCALE_K
-            kb = n_tile * (BLOCK_N // GRAD_SCALE_K) + tl.arange(0, BLOCK_N // GRAD_SCALE_K)
-            at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
-            at_s = dab_scales + rows[:, None] * SCALE_COLS + kb[None, :]
-            s_mask = kb[None, :] < INTER // GRAD_SCALE_K
-            q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
-            tl.store(at_q, q, mask=mask)
-            tl.store(at_s, scales, mask=s_mask)
-            q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
-            tl.store(at_q + INTER, q, mask=mask)
-            tl.store(at_s + INTER // GRAD_SCALE_K, scales, mask=s_mask)
-        if GRAD_ROUND_K > 0:
-            tl.static_assert((BLOCK_N % GRAD_ROUND_K == 0) & (INTER % GRAD_ROUND_K == 0),
-                             "tiles and the intermediate size must hold whole MX blocks of [da | db]")
-            at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
-            tl.store(at_q, round_rows(da.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype), mask=mask)
-            tl.store(at_q + INTER, round_rows(db.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype),
-                     mask=mask)
-        at = h_wgrad + rows[:, None] * INTER + cols[None, :]
-        tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
+            tl.static_assert(EPILOGUE_PARTS == 2, "the epilogue runs in one part or two")
+            HALF_N: tl.constexpr = BLOCK_N // 2
+            d0, d1 = _halves(d)
+            if RECOMPUTE:
+                g0, g1 = _halves(g)
+                u0, u1 = _halves(u)
+            else:
+                g0, u0 = _saved_preact(preact, rows, n0, HALF_N, INTER, BLOCK_N)
+            score_part = _swiglu_backward(
+                d0, g0, u0, n0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+            )
+            if not RECOMPUTE:
+                g1, u1 = _saved_preact(preact, rows, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
+            score_part += _swiglu_backward(
+                d1, g1, u1, n0 + HALF_N, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER,
+                BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+            )
+        tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
 
         if ZERO_PADDING:
             if (n_tile == 0) & (end < row0 + TILE_M):
@@ -187,10 +172,87 @@ def dispatch_grad_gemm1_kernel(
                 # harmless.
                 pad = rows >= end
                 ks = tl.arange(0, BLOCK_K)
-                zero = tl.zeros((TILE_M, BLOCK_K), dtype=out_dtype)
+                zero = tl.zeros((TILE_M, BLOCK_K), dtype=dab.dtype.element_ty)
                 for c0 in range(0, HIDDEN, BLOCK_K):
                     at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
                     zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
                     tl.store(recv + at_x, zero, mask=zmask)
                     tl.store(recv_grad + at_x, zero, mask=zmask)
         tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+
+
+@triton.jit
+def _halves(x):
+    """``x [M, N]`` -> its column halves ``[M, N / 2]``. An MMA accumulator holds each row's
+    values in the same threads, so the split moves no data."""
+    M: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (M, 2, N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _saved_preact(preact, rows, c0, COLS: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """GEMM1's saved results ``g``, ``u`` (fp32) of ``rows`` over the intermediate columns
+    ``c0 .. c0 + COLS`` of a tile ``BLOCK_N`` wide (columns past ``INTER`` read as 0)."""
+    cols = c0 + tl.arange(0, COLS)
+    col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+    at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
+    g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    u = tl.load(at + INTER, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _swiglu_backward(
+    d, g, u, c0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad,
+    INTER: tl.constexpr, BLOCK_N: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
+    GRAD_SCALE_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
+):
+    """The SwiGLU backward of the tile's ``rows`` over the intermediate columns ``c0 ..
+    c0 + d.shape[1]`` (a tile ``BLOCK_N`` wide, or a half of one) from ``d = dy W2`` and
+    GEMM1's ``g``, ``u``: stores ``[da | db]`` (and its quantized or MX-rounded copy) and
+    ``h_wgrad``; returns each row's ``<h, d>`` over those columns."""
+    out_dtype = dab.dtype.element_ty
+    PART_N: tl.constexpr = d.shape[1]
+    cols = c0 + tl.arange(0, PART_N)
+    col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    score_part = tl.sum(h * d, axis=1)
+    if SCORE_BEFORE_EXPERTS:
+        dh = d
+    else:
+        score = tl.load(recv_score + rows, mask=live, other=0.0)
+        dh = d * score[:, None]
+        h = h * score[:, None]
+    keep = live[:, None] & col_ok[None, :]
+    mask = col_ok[None, :]
+    da = tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
+    db = tl.where(keep, dh * silu, 0.0)
+    at = dab + rows[:, None] * (2 * INTER) + cols[None, :]
+    tl.store(at, da.to(out_dtype), mask=mask)
+    tl.store(at + INTER, db.to(out_dtype), mask=mask)
+    if GRAD_SCALE_K > 0:
+        tl.static_assert((PART_N % GRAD_SCALE_K == 0) & (INTER % GRAD_SCALE_K == 0),
+                         "tiles and the intermediate size must hold whole scale blocks of [da | db]")
+        SCALE_COLS: tl.constexpr = 2 * INTER // GRAD_SCALE_K
+        kb = c0 // GRAD_SCALE_K + tl.arange(0, PART_N // GRAD_SCALE_K)
+        at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
+        at_s = dab_scales + rows[:, None] * SCALE_COLS + kb[None, :]
+        s_mask = kb[None, :] < INTER // GRAD_SCALE_K
+        q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+        tl.store(at_q, q, mask=mask)
+        tl.store(at_s, scales, mask=s_mask)
+        q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+        tl.store(at_q + INTER, q, mask=mask)
+        tl.store(at_s + INTER // GRAD_SCALE_K, scales, mask=s_mask)
+    if GRAD_ROUND_K > 0:
+        tl.static_assert((PART_N % GRAD_ROUND_K == 0) & (INTER % GRAD_ROUND_K == 0),
+                         "tiles and the intermediate size must hold whole MX blocks of [da | db]")
+        at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
+        tl.store(at_q, round_rows(da.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype), mask=mask)
+        tl.store(at_q + INTER, round_rows(db.to(ACT_DTYPE).to(tl.float32), GRAD_ROUND_K).to(out_dtype), mask=mask)
+    at = h_wgrad + rows[:, None] * INTER + cols[None, :]
+    tl.store(at, tl.where(keep, h, 0.0).to(out_dtype), mask=mask)
+    return score_part

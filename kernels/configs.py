@@ -2,8 +2,6 @@
 name). Free of Triton, so the host can decide where the kernels run without importing it.
 """
 
-import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -108,6 +106,11 @@ class TileConfig:
     (the scattered stores to the combine buffers) overlaps the other's MMAs."""
     dgrad_m: int = 128
     """The same for the dgrad GEMM."""
+    grad1_saved_parts: int = 1
+    """1 or 2: where GEMM1 was saved, the backward's first kernel runs its SwiGLU backward
+    over each half of a tile's ``grad1_saved_n`` columns in turn (2), so that one half's
+    temporaries, not the whole tile's, sit in registers beside the ``dy W2`` accumulator
+    (a half must hold whole scale blocks)."""
     w2_as_stored: int = 0
     """Unquantized backward formats only. 1: ``dy W2`` reads W2 as stored (``[H, I]`` per
     expert, an N-major B operand) instead of a transposed copy made on every call; 0: the
@@ -119,6 +122,8 @@ class TileConfig:
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
+        if self.grad1_saved_parts not in (1, 2):
+            raise ValueError(f"grad1_saved_parts = {self.grad1_saved_parts} must be 1 or 2")
         for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
                      "mx_wgrad_dequantized", "w2_as_stored"):
             if getattr(self, name) not in (0, 1):
@@ -138,9 +143,12 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # GEMM2 128x256x64 in 3 stages, 8 warps each; backward 128x(3x64)x64 in 4 stages and
     # 128x256x64 (dgrad, as GEMM2) in 3, 8 warps. dy W2 reads W2 as stored: its transpose
     # cost more than the N-major operand (30B-A3B 16k fwd+bwd 10.07 -> 9.89 ms, 235B-A22B
-    # 34.12 -> 33.39, v21).
+    # 34.12 -> 33.39, v21). Where GEMM1 was saved, the backward's first kernel runs
+    # 128x128 with its epilogue in two halves: one 128-wide epilogue spilled (1.2 KB at
+    # 235B-A22B), 64-wide tiles read twice the operand bytes per FLOP (first kernel
+    # 2.35 -> 1.81 ms at 30B-A3B 16k, 8.29 -> 5.70 at 235B-A22B; v22).
     ("sm90", "native"): TileConfig(
-        block_m=128, w2_as_stored=1,
+        block_m=128, w2_as_stored=1, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
@@ -177,15 +185,16 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # operands are held in bf16 rounded to MX (mx_in_bf16) and every GEMM runs the bf16
     # kernels with the bf16 row's tiles; scaling e4m3 tiles into bf16 in the mainloop
     # (mx_upcast, weights dequantized once per call) ran the GEMMs at half the bf16
-    # kernels' rate (docs/perf.md v15, v20). The backward's first kernel 64 columns wide
-    # where GEMM1 was saved: at 128, rounding [da | db] spills (3.46 -> 2.41 ms, v20). The
+    # kernels' rate (docs/perf.md v15, v20). The backward's first kernel as bf16's where
+    # GEMM1 was saved, 128 wide with its epilogue in halves (at 128 in one part, rounding
+    # [da | db] spilled: 64 wide was faster, v20; halves 2.45 -> 1.88 ms, v22). The
     # weight gradients run torch's bf16 grouped GEMM on copies quantized along the tokens
     # and dequantized (v19).
     ("sm90", "mxfp8"): TileConfig(
-        block_m=128, mx_in_bf16=1, mx_wgrad_dequantized=1,
+        block_m=128, mx_in_bf16=1, mx_wgrad_dequantized=1, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
-        grad1_m=128, grad1_n=64, grad1_saved_n=64, grad1_k=64, grad1_warps=8, grad1_stages=4,
+        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
@@ -207,7 +216,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
     # splits a block).
     ("interpret", "native"): TileConfig(
-        block_m=16, w2_as_stored=1,
+        block_m=16, w2_as_stored=1, grad1_saved_parts=2,
         gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
         gemm2_m=16, gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
@@ -243,16 +252,6 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
 format names as ``titan_megamoe.precision`` does."""
 
-NARROW_HIDDEN: dict[tuple[str, str], tuple[int, dict[str, int]]] = {
-    # bf16 on H100/H200: where the hidden size is at most 2,048 (dy W2's K; 30B-A3B),
-    # the backward's first kernel runs faster 64 columns wide when GEMM1 was saved
-    # (30B-A3B fwd+bwd 10.53 -> 9.92 ms at 16k tokens, 4.55 -> 4.04 at 4k); at 4,096
-    # (235B-A22B) 128 stays faster (33.47 against 34.18 ms). docs/perf.md v20, v21.
-    ("sm90", "native"): (2048, {"grad1_saved_n": 64}),
-}
-"""Rows' fields that change where the hidden size is at most the bound:
-``(arch, format name) -> (bound, {field: value})``."""
-
 ARCH_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
 """CUDA compute capability -> architecture of the table."""
 
@@ -267,19 +266,10 @@ def arch_of(capability: tuple[int, int] | None) -> str | None:
     return ARCH_BY_CAPABILITY.get(capability)
 
 
-def tile_config(arch: str, fmt_name: str, hidden: int) -> TileConfig:
-    """The row for ``arch`` (``arch_of``) and GEMM operand format ``fmt_name``, with its
-    ``NARROW_HIDDEN`` changes where ``hidden`` is within their bound; raises naming the
-    rows there are."""
+def tile_config(arch: str, fmt_name: str) -> TileConfig:
+    """The row for ``arch`` (``arch_of``) and GEMM operand format ``fmt_name``; raises
+    naming the rows there are."""
     if (arch, fmt_name) not in TILE_CONFIGS:
         rows = ", ".join(f"({a}, {f})" for a, f in TILE_CONFIGS)
         raise ValueError(f"no tile config for architecture {arch!r} and format {fmt_name!r}; rows: {rows}")
-    row = TILE_CONFIGS[arch, fmt_name]
-    bound, changes = NARROW_HIDDEN.get((arch, fmt_name), (0, {}))
-    return _changed(row, tuple(changes.items())) if hidden <= bound else row
-
-
-@functools.cache
-def _changed(row: TileConfig, changes: tuple[tuple[str, int], ...]) -> TileConfig:
-    """``row`` with ``changes``, made once (every call of the operator looks its rows up)."""
-    return dataclasses.replace(row, **dict(changes))
+    return TILE_CONFIGS[arch, fmt_name]

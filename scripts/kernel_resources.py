@@ -132,8 +132,8 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
     hidden, inter, top_k = layer.hidden, layer.inter, layer.top_k
     local = layer.experts // EP
     precision = get_precision(precision_name)
-    tiles = tile_config(arch, precision.forward.name, hidden)
-    grad_tiles = tile_config(arch, precision.dgrad.name, hidden)
+    tiles = tile_config(arch, precision.forward.name)
+    grad_tiles = tile_config(arch, precision.dgrad.name)
 
     def symmetric(size, dtype):
         return torch.zeros(size, dtype=dtype), torch.zeros(EP, dtype=torch.int64)

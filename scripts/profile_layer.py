@@ -158,16 +158,11 @@ def main():
     rows = 0
     # The rows the precision's kernels read: the forward format's, and the backward's
     # (which also tiles the weight gradients) where it differs (fp8_bwd).
-    # A variant changes the rows as this shape reads them (NARROW_HIDDEN applied), and
-    # stands alone while it runs.
-    hidden = SHAPES[args.shape][0]
     tables = {(arch, f.name): configs.TILE_CONFIGS[arch, f.name] for f in (precision.forward, precision.dgrad)}
-    resolved = {row: configs.tile_config(*row, hidden) for row in tables}
-    narrow = {row: configs.NARROW_HIDDEN.pop(row) for row in tables if row in configs.NARROW_HIDDEN}
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
     for comm_sms, changes in variants:
         # Each variant's tiles key buffers of their own in the fused backend.
-        for row, table in resolved.items():
+        for row, table in tables.items():
             configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
         tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
         label = f"comm_sms={comm_sms} tiles={tiles}"
@@ -203,9 +198,8 @@ def main():
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
                           "kernels_ms": dict(kernels)}
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
-    configs.NARROW_HIDDEN.update(narrow)
     if rank == 0:
-        inter = SHAPES[args.shape][1]
+        hidden, inter, _, _ = SHAPES[args.shape]
         flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")

@@ -64,11 +64,10 @@ _PLANS: dict[tuple, CallPlan] = {}
 """Plans by what decides them (``_plan``)."""
 
 
-def _tiles(device: torch.device, fmt: Format, hidden: int) -> TileConfig:
-    """The tile-table row of the kernels whose GEMMs run in ``fmt`` on ``device`` for a
-    layer of ``hidden`` size."""
+def _tiles(device: torch.device, fmt: Format) -> TileConfig:
+    """The tile-table row of the kernels whose GEMMs run in ``fmt`` on ``device``."""
     target, _ = fused_support.arch(device)
-    return tile_config(target, fmt.name, hidden)
+    return tile_config(target, fmt.name)
 
 
 def _check_runs(x: torch.Tensor, settings: OperatorSettings) -> None:
@@ -102,10 +101,10 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
 
 
 def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, settings: OperatorSettings) -> ForwardBuffers:
-    tiles = _tiles(device, settings.precision.forward, shape.hidden)
+    tiles = _tiles(device, settings.precision.forward)
     sized_by_call = not settings.capacity_tokens_per_rank
     key_shape = dataclasses.replace(shape, capacity_tokens_per_rank=0) if sized_by_call else shape
-    grad_tiles = _tiles(device, settings.precision.dgrad, shape.hidden)
+    grad_tiles = _tiles(device, settings.precision.dgrad)
     key = ("" if group is None else group.group_name, str(device), key_shape, settings.precision.name, tiles, grad_tiles)
     held = _BUFFERS.get(key)
     if held is not None and held.shape == shape:
@@ -137,7 +136,7 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
     if id(buffers) not in _GRAD_BUFFERS:
         sized_for = f"backward of {dataclasses.replace(buffers.shape, rank=0)}"
         allocate = symm.allocator(group, buffers.recv.device, sized_for)
-        grad_tiles = _tiles(buffers.recv.device, settings.precision.dgrad, buffers.shape.hidden)
+        grad_tiles = _tiles(buffers.recv.device, settings.precision.dgrad)
         grad = GradBuffers(buffers, allocate, settings.precision, grad_tiles)
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
@@ -223,7 +222,7 @@ def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) 
     GEMM1 is recomputed instead)."""
     if not settings.save_gemm1:
         return 0, 2 * w1.shape[1]
-    tiles = _tiles(x.device, settings.precision.forward, x.shape[1])
+    tiles = _tiles(x.device, settings.precision.forward)
     return preact_shape(_shape(x, topk_idx, w1, group, settings), tiles, settings.save_gemm1_load)
 
 
@@ -235,8 +234,8 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
     gets buffers and kernels of its own."""
     key = (
         settings.encode(),  # what the ops carry; a string hashes once, a dataclass at every lookup
-        _tiles(x.device, settings.precision.forward, x.shape[1]),
-        _tiles(x.device, settings.precision.dgrad, x.shape[1]),
+        _tiles(x.device, settings.precision.forward),
+        _tiles(x.device, settings.precision.dgrad),
         None if group is None else (group.group_name, group.rank()),
         x.device,
         x.dtype,

@@ -72,7 +72,7 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
         y, counts, grads, saved_rows = fused_call()
         if load < 1:  # the routing's layout reaches past the saved rows
-            bm = fused.tile_config("interpret", "native", HIDDEN).block_m
+            bm = fused.tile_config("interpret", "native").block_m
             assert 0 < saved_rows < sum(-(-int(c) // bm) * bm for c in counts), case
         # The fp32 reference on the same (rounded) inputs.
         f32 = [t.float() for t in (x, w1, w2, w3)]
@@ -254,7 +254,7 @@ def _check_refusals(rank, world):
         t = torch.zeros(size, dtype=dtype)
         return t, torch.tensor([t.data_ptr()])
 
-    buffers = ForwardBuffers(shape, tile_config("interpret", "native", shape.hidden), torch.device("cpu"), record)
+    buffers = ForwardBuffers(shape, tile_config("interpret", "native"), torch.device("cpu"), record)
     rows = buffers.recv.shape[0]
     assert buffers.recv.dtype == torch.float8_e4m3fn and tuple(buffers.recv_scales.shape) == (rows, 2)
     assert allocations[0] == ((rows * 256 + rows * 2 * 4,), torch.uint8)

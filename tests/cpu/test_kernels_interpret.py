@@ -8,8 +8,6 @@ The interpreter must be switched on before Triton kernels are defined, so each k
 check runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
 """
 
-import dataclasses
-
 import pytest
 
 from ranks import run_ranks
@@ -89,20 +87,15 @@ def test_tile_table_lookups(monkeypatch):
 
     monkeypatch.setattr(configs, "INTERPRET", True)
     assert configs.arch_of(None) == configs.arch_of((9, 0)) == "interpret"
-    assert configs.tile_config("interpret", "native", 64) is configs.TILE_CONFIGS["interpret", "native"]
+    assert configs.tile_config("interpret", "native") is configs.TILE_CONFIGS["interpret", "native"]
     monkeypatch.setattr(configs, "INTERPRET", False)
     assert configs.arch_of((9, 0)) == "sm90"
     assert configs.arch_of((10, 0)) == "sm100"
     assert configs.arch_of((12, 0)) is None
     assert configs.arch_of(None) is None
-    wide = configs.tile_config("sm90", "native", 4096)
-    assert wide is configs.TILE_CONFIGS["sm90", "native"] and wide.grad1_saved_n == 128
-    # The narrow-hidden change, made once.
-    narrow = configs.tile_config("sm90", "native", 2048)
-    assert narrow is configs.tile_config("sm90", "native", 1024)
-    assert narrow == dataclasses.replace(wide, grad1_saved_n=64)
+    assert configs.tile_config("sm90", "native").block_m == 128
     with pytest.raises(ValueError, match=r"architecture 'sm100' and format 'fp8_block'; rows: \(sm90, native\)"):
-        configs.tile_config("sm100", "fp8_block", 4096)
+        configs.tile_config("sm100", "fp8_block")
 
 
 def test_tile_rows_meet_the_kernels_constraints():
@@ -111,9 +104,7 @@ def test_tile_rows_meet_the_kernels_constraints():
     from titan_megamoe.kernels import configs
     from titan_megamoe.precision import FORMATS
 
-    rows = [(row, tiles) for row, tiles in configs.TILE_CONFIGS.items()]
-    rows += [(row, configs.tile_config(*row, bound)) for row, (bound, _) in configs.NARROW_HIDDEN.items()]
-    for row, tiles in rows:
+    for row, tiles in configs.TILE_CONFIGS.items():
         arch, fmt_name = row
         for field in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
             assert tiles.block_m % getattr(tiles, field) == 0, (row, field)
@@ -136,6 +127,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         # rounded as they are transposed, whole blocks per tile.
         for field in ("gemm1_n", "grad1_n", "grad1_saved_n", "copy_cols"):
             assert getattr(tiles, field) % scale_k == 0, (row, field)
+        # ... and the backward's first kernel stores them per epilogue part.
+        assert tiles.grad1_saved_n // tiles.grad1_saved_parts % scale_k == 0, (row, "grad1_saved_parts")
         if fmt.scaled_mma:
             assert tiles.transpose_block % scale_k == 0, (row, "transpose_block")
         # A promoting mainloop's step stays inside one scale block (the weight gradients'
