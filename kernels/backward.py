@@ -308,7 +308,7 @@ def fused_backward(
     # the row says so).
     if fmt.quantized:
         in_bf16 = weights_in_bf16(fmt, tiles)
-        w2t, w2t_scales = quantize_transposed([w2], fmt, tiles.transpose_block, in_bf16)
+        w2_operand, w2_operand_scales = quantize_transposed([w2], fmt, tiles.transpose_block, in_bf16)
         w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block, in_bf16)
         if grad.dy_link.quantized:
             dy_sent, dy_scales = quantize_rows(dy, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
@@ -318,8 +318,8 @@ def fused_backward(
         if scale_k:
             dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
-        w2t_scales = w13t_scales = None
-        w2t = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
+        w2_operand_scales = w13t_scales = None
+        w2_operand = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
         w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
     if x_fmt.quantized and (preact is None or recompute_past_saved):
@@ -333,7 +333,7 @@ def fused_backward(
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
         buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
         grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
-        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w2t, w2t_scales,
+        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
         w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q, dab_scales,
         score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
@@ -373,7 +373,7 @@ def fused_backward(
     )
     # The weight gradients read neither: their memory goes to what those allocate (the
     # caching allocator hands it out in stream order, after the kernel above).
-    del w2t, w13t, w2t_scales, w13t_scales, dab_q, dab_scales
+    del w2_operand, w13t, w2_operand_scales, w13t_scales, dab_q, dab_scales
 
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:

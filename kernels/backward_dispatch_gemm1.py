@@ -11,7 +11,7 @@ counter in arrival order; a tile waits only for the chunks its rows come from, a
 - has the pre-activations ``g = x W1^T``, ``u = x W3^T`` (recomputed, or read from the
   forward's ``preact`` when it saved them; where it saved only the layout's first rows,
   a second launch with no dispatching programs recomputes the tiles of the others);
-- computes ``d = dy W2`` (the gradient reaching ``h`` before the score), from ``w2t``,
+- computes ``d = dy W2`` (the gradient reaching ``h`` before the score), from ``w2_operand``:
   W2 transposed per expert to ``[I, H]`` (K-major), or, unquantized, from W2 as stored
   (``W2_AS_STORED``: an N-major B operand);
 - stores the partial score gradient ``<h, d>`` over its columns (``score_parts``, summed
@@ -51,7 +51,8 @@ def dispatch_grad_gemm1_kernel(
     x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
     recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, state,
-    local_base, local_rows, src_offset, src_rows, w1, w1_scales, w2t, w2t_scales, w3, w3_scales,
+    local_base, local_rows, src_offset, src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
+    w3, w3_scales,
     preact, h_wgrad, dab, dab_q, dab_scales, score_parts,
     rank, ep, local_experts, rows_per_rank, first_row, end_row,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
@@ -134,9 +135,9 @@ def dispatch_grad_gemm1_kernel(
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
-            recv_grad, recv_grad_scales, rows, w2t, w2t_scales, None, None, le, n0, 0, HIDDEN, INTER, HIDDEN,
-            TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K, UPCAST_DOT,
-            W2_AS_STORED,
+            recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
+            INTER, HIDDEN, TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K,
+            UPCAST_DOT, W2_AS_STORED,
         )
         if EPILOGUE_PARTS == 1:
             score_part = _swiglu_backward(

@@ -69,12 +69,14 @@ class CompileOnlyCuda(CudaDriver):
         return torch.device("cpu")
 
 
-def _cuobjdump(cubin: bytes, option: str) -> str:
+def _cuobjdump(cubin: bytes, *options: str) -> list[str]:
+    """``cuobjdump`` of a cubin, one report per option."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
+        return [subprocess.run([str(tool), option, f.name], capture_output=True, text=True, check=True).stdout
+                for option in options]
 
 
 SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)
@@ -86,12 +88,12 @@ def _usage(cubin: bytes) -> dict[str, int]:
     from its machine code: instructions, subroutine calls (a correctly rounded division's
     slow path is one; the registers live across a call are spilled) and local-memory
     loads and stores (spills)."""
-    report = _cuobjdump(cubin, "-res-usage")
+    report, sass = _cuobjdump(cubin, "-res-usage", "-sass")
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", report)
     if found is None:
         raise RuntimeError(f"cuobjdump reported no resource usage:\n{report}")
     regs, stack, _static_shared = map(int, found.groups())
-    opcodes = SASS_OPCODE.findall(_cuobjdump(cubin, "-sass"))
+    opcodes = SASS_OPCODE.findall(sass)
     return {"registers": regs, "stack_bytes": stack, "instructions": len(opcodes),
             "calls": opcodes.count("CALL"), "local_accesses": opcodes.count("STL") + opcodes.count("LDL")}
 
