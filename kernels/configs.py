@@ -145,8 +145,9 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # cost more than the N-major operand (30B-A3B 16k fwd+bwd 10.07 -> 9.89 ms, 235B-A22B
     # 34.12 -> 33.39, v21). Where GEMM1 was saved, the backward's first kernel runs
     # 128x128 with its epilogue in two halves: one 128-wide epilogue spilled (1.2 KB at
-    # 235B-A22B), 64-wide tiles read twice the operand bytes per FLOP (first kernel
-    # 2.35 -> 1.81 ms at 30B-A3B 16k, 8.29 -> 5.70 at 235B-A22B; v22).
+    # 235B-A22B), 64-wide tiles read 1.5x the operand bytes per FLOP (first kernel 2.21 ->
+    # 1.77 ms at 30B-A3B 16k against 64 wide, 6.60 -> 5.52 at 235B-A22B against one
+    # 128-wide part; v22).
     ("sm90", "native"): TileConfig(
         block_m=128, w2_as_stored=1, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
@@ -187,7 +188,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # (mx_upcast, weights dequantized once per call) ran the GEMMs at half the bf16
     # kernels' rate (docs/perf.md v15, v20). The backward's first kernel as bf16's where
     # GEMM1 was saved, 128 wide with its epilogue in halves (at 128 in one part, rounding
-    # [da | db] spilled: 64 wide was faster, v20; halves 2.45 -> 1.88 ms, v22). The
+    # [da | db] spilled: 64 wide was faster, v20; halves 2.42 -> 1.88 ms, v22). The
     # weight gradients run torch's bf16 grouped GEMM on copies quantized along the tokens
     # and dequantized (v19).
     ("sm90", "mxfp8"): TileConfig(
