@@ -8,6 +8,8 @@ The interpreter must be switched on before Triton kernels are defined, so each k
 check runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
 """
 
+import dataclasses
+
 import pytest
 
 from ranks import run_ranks
