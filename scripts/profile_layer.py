@@ -14,11 +14,19 @@ grouped weight-gradient GEMMs). Next to each fused GEMM kernel it prints the rat
 expert-GEMM work and that rate's share of the matmul peak of the precision, measured in
 the same run; for the call, the expert-GEMM roofline (forward GEMMs, and twice as much
 again for the backward, at that peak) over the wall time. Writes ``profile_layer.json``.
+
+``--host`` also times each variant without the profiler (which slows the host): the wall
+time per call, and the host's time to issue one with the GPU held busy beforehand (so the
+host never waits for it), and writes Python's profile of those calls (the functions that
+take the host's time, backward included) to ``host_profile.txt``.
 """
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import os
 import sys
 import time
@@ -71,6 +79,44 @@ def kernel_lines(kernels_ms: dict[str, float], flops: dict[str, int], peak_tflop
             line += f"  ({rate:.0f} TFLOP/s" + (f", {100 * rate / peak_tflops:.0f}% of peak)" if peak_tflops else ")")
         lines.append(line)
     return lines
+
+
+GPU_HOLD_CYCLES = 2_000_000_000
+"""GPU clock cycles (about a second) the host-time measurement keeps the GPU busy before
+it issues its calls."""
+
+
+def host_times(call, iters: int) -> tuple[float, float, str]:
+    """``(wall ms per call, host ms to issue one, the host profile's top lines)`` without
+    the PyTorch profiler. The host is timed while the GPU sleeps through work issued
+    first; the backward runs on the calling thread, so that Python's profiler sees it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / iters
+    with torch.autograd.set_multithreading_enabled(False):
+        torch.cuda._sleep(GPU_HOLD_CYCLES)
+        issued = time.perf_counter()
+        for _ in range(iters):
+            call()
+        host_ms = (time.perf_counter() - issued) * 1e3 / iters
+        torch.cuda.synchronize()
+        torch.cuda._sleep(GPU_HOLD_CYCLES)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(iters):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+    return wall_ms, host_ms, text.getvalue()
 
 
 def inputs(shape: str, tokens: int, rank: int, world: int):
@@ -128,6 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --save-gemm1: rows saved, as a multiple of the mean a rank receives (the "
                         "backward recomputes the others)")
     p.add_argument("--iters", type=positive_int, default=10)
+    p.add_argument("--host", action="store_true",
+                   help="also time the host per call without the profiler, and profile its Python")
     p.add_argument("--out", default="outputs/profile_layer")
     return p.parse_args(argv)
 
@@ -160,6 +208,7 @@ def main():
     # (which also tiles the weight gradients) where it differs (fp8_bwd).
     tables = {(arch, f.name): configs.TILE_CONFIGS[arch, f.name] for f in (precision.forward, precision.dgrad)}
     variants = [(comm, changes) for changes in args.tiles for comm in args.comm_sms]
+    host_profiles = {}
     for comm_sms, changes in variants:
         # Each variant's tiles key buffers of their own in the fused backend.
         for row, table in tables.items():
@@ -197,6 +246,9 @@ def main():
                 kernels[e.name[:60]] += e.device_time / args.iters / 1e3
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
                           "kernels_ms": dict(kernels)}
+        if args.host:
+            wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
+            results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
         hidden, inter, _, _ = SHAPES[args.shape]
@@ -210,12 +262,18 @@ def main():
             share = f" ({100 * roofline / r['wall_ms']:.0f}% of the roofline)" if roofline else ""
             print(f"{args.shape} {args.tokens} tokens/rank EP={world} {args.precision} {what} {label}: {r['wall_ms']:.3f} ms per call"
                   f"{share}, {sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
+            if "unprofiled_wall_ms" in r:
+                print(f"    without the profiler: {r['unprofiled_wall_ms']:.3f} ms per call, the host issued "
+                      f"one in {r['unprofiled_host_ms']:.3f} ms (GPU held busy)")
             print("\n".join(kernel_lines(r["kernels_ms"], flops, peak)))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         summary = {"args": vars(args), "ep": world, "rows_rank0": rows, "peak_tflops": peak,
                    "roofline_ms": roofline, "stage_flops": flops, "results": results}
         (out / "profile_layer.json").write_text(json.dumps(summary, indent=2))
+        if host_profiles:
+            (out / "host_profile.txt").write_text(
+                "".join(f"==== {label}\n{text}\n" for label, text in host_profiles.items()))
     dist.destroy_process_group()
 
 
