@@ -97,9 +97,14 @@ class GradBuffers:
         self.grad_format = tiles.operand_format(precision.dgrad)
         """Format of the backward's data-gradient GEMMs (``dy W2``, dgrad), as the kernels
         hold it (``TileConfig.operand_format``)."""
-        if tiles.w2_as_stored and self.grad_format.quantized:
-            raise ValueError(f"w2_as_stored = 1 reads W2 unquantized; the backward's format is "
-                             f"{self.grad_format.name}")
+        for field, weight in (("w2_as_stored", "W2"), ("w13_as_stored_rows", "W1 and W3")):
+            if getattr(tiles, field) and self.grad_format.quantized:
+                raise ValueError(f"{field} = {getattr(tiles, field)} reads {weight} unquantized; the backward's "
+                                 f"format is {self.grad_format.name}")
+        self.w13_as_stored_rows = tiles.w13_as_stored_rows if shape.inter % tiles.dgrad_k == 0 else 0
+        """Calls with fewer rows per local expert than this read W1 and W3 as stored in the
+        dgrad GEMM (``TileConfig.w13_as_stored_rows``; 0 for an intermediate size that is not
+        a whole number of K steps)."""
         self.wgrad_format = precision.wgrad
         """Format of the weight-gradient GEMMs."""
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
@@ -116,16 +121,19 @@ class GradBuffers:
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Most bytes a backward call takes from the caching allocator at once besides its
     outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
-    transposed weights (W2's only where ``dy W2`` does not read it as stored), in e4m3 where the backward
-    is quantized, with the e4m3 copies of ``dab`` and ``dy``; then, quantized, a pair of
-    token-major copies for quantized weight gradients. A quantized forward adds ``h`` for
+    transposed weights (those the GEMMs do not read as stored: ``w2_as_stored``,
+    ``w13_as_stored_rows``), in e4m3 where the backward is quantized, with the e4m3 copies
+    of ``dab`` and ``dy``; then, quantized, a pair of token-major copies for quantized
+    weight gradients. A quantized forward adds ``h`` for
     the weight gradients and GEMM1's e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter, itemsize = shape.hidden, shape.inter, shape.dtype.itemsize
-    parts = triton.cdiv(inter, tiles.grad1_n)
+    parts = triton.cdiv(inter, min(tiles.grad1_n, tiles.grad1_saved_n))  # the narrower launch's
     weights = 3 * shape.local_experts * inter * hidden
-    transposed = weights // 3 * (2 if tiles.w2_as_stored else 3)
+    # W1 and W3 transposed unless every call (up to the capacity) reads them as stored.
+    w13_copied = shape.capacity_tokens_per_rank * shape.top_k >= grad.w13_as_stored_rows * shape.local_experts
+    transposed = weights // 3 * ((not tiles.w2_as_stored) + 2 * w13_copied)
     fmt = grad.grad_format
     # A quantized operand per element: e4m3 and fp32 scales, or the activation dtype (held in bf16).
     scaled = 1 + 4 / fmt.row_scale_k if fmt.row_scale_k else itemsize
@@ -302,7 +310,7 @@ def fused_backward(
     w_fmt = fmt if fmt.quantized else x_fmt
     # A forward in e4m3 keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
     h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k else buffers.h
-    w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = None
+    w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = w3_stored = None
     sent, dy_sent = x, dy
     # K-major copies of the weights as the backward's GEMMs read them (W2 as stored where
     # the row says so).
@@ -320,7 +328,11 @@ def fused_backward(
     else:
         w2_operand_scales = w13t_scales = None
         w2_operand = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
-        w13t = transposed_side_by_side([w1, w3], tiles.transpose_block)
+        # The dgrad GEMM's B: [W1 | W3] transposed, or W1 and W3 as stored (one B split along K).
+        stored = (num_tokens * top_k < grad.w13_as_stored_rows * shape.local_experts
+                  and (w3.data_ptr() - w1.data_ptr()) % 16 == 0)
+        w13t, w3_stored = ((w1, w3) if stored
+                           else (transposed_side_by_side([w1, w3], tiles.transpose_block), None))
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
     if x_fmt.quantized and (preact is None or recompute_past_saved):
         (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles))
@@ -359,7 +371,7 @@ def fused_backward(
         first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True, NEXT_TILE=RECOMPUTE_NEXT_TILE.value,
                      COMM_PROGRAMS=0, EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
     rows_gemm_combine_kernel[(num_programs,)](
-        dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, buffers.recv_meta, buffers.combine,
+        dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, w3_stored, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
         buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
         shape.local_experts, shape.rows_per_rank,
@@ -368,12 +380,12 @@ def fused_backward(
         BLOCK_M=tiles.block_m, TILE_M=tiles.dgrad_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
         UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
         MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        OVERLAP=bool(tiles.dgrad_overlap), num_warps=tiles.dgrad_warps,
+        OVERLAP=bool(tiles.dgrad_overlap), W_AS_STORED=w3_stored is not None, num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
     # The weight gradients read neither: their memory goes to what those allocate (the
     # caching allocator hands it out in stream order, after the kernel above).
-    del w2_operand, w13t, w2_operand_scales, w13t_scales, dab_q, dab_scales
+    del w2_operand, w13t, w2_operand_scales, w13t_scales, w3_stored, dab_q, dab_scales
 
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:

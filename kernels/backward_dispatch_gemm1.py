@@ -137,7 +137,7 @@ def dispatch_grad_gemm1_kernel(
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
             INTER, HIDDEN, TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K,
-            UPCAST_DOT, W2_AS_STORED,
+            UPCAST_DOT, W2_AS_STORED, 0,
         )
         if EPILOGUE_PARTS == 1:
             score_part = _swiglu_backward(

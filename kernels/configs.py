@@ -116,6 +116,13 @@ class TileConfig:
     expert, an N-major B operand) instead of a transposed copy made on every call; 0: the
     copy (quantized formats always: Hopper's fp8 MMA takes K-major operands, MX held in
     bf16 is rounded as it is transposed)."""
+    w13_as_stored_rows: int = 0
+    """Unquantized backward formats only. The dgrad GEMM reads W1 and W3 as stored (``[I, H]``
+    per expert each, one N-major B split along K: each K step reads the one its rows lie
+    in) in calls that bring fewer than this many rows per local expert on average (tokens x
+    top-k / local experts), instead of a transposed ``[H, 2I]`` copy made on every call: the
+    copy is a fixed cost per call, the N-major operand one per row (0: always the copy; also
+    where ``dgrad_k`` does not divide I, or W1 and W3 are not a multiple of 16 bytes apart)."""
 
     def __post_init__(self):
         for name in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
@@ -128,6 +135,8 @@ class TileConfig:
                      "mx_wgrad_dequantized", "w2_as_stored"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
+        if self.w13_as_stored_rows < 0:
+            raise ValueError(f"w13_as_stored_rows = {self.w13_as_stored_rows} must be >= 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):
             raise ValueError("mx_in_bf16 = 1 runs bf16 GEMMs on operands held in bf16; mx_upcast and "
                              "mx_dequantized_weights (ways to scale e4m3 operands) must be 0 with it")
@@ -147,9 +156,11 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # 128x128 with its epilogue in two halves: one 128-wide epilogue spilled (1.2 KB at
     # 235B-A22B), 64-wide tiles read 1.5x the operand bytes per FLOP (first kernel 2.21 ->
     # 1.77 ms at 30B-A3B 16k against 64 wide, 6.60 -> 5.52 at 235B-A22B against one
-    # 128-wide part; v22).
+    # 128-wide part; v22). dgrad reads W1 and W3 as stored below 512 rows per expert: its
+    # N-major operand made the dgrad GEMM ~1.5x slower, which the transposes' fixed 0.46
+    # ms (30B-A3B) outweigh at 256 rows per expert and not at 1,024 (v23).
     ("sm90", "native"): TileConfig(
-        block_m=128, w2_as_stored=1, grad1_saved_parts=2,
+        block_m=128, w2_as_stored=1, w13_as_stored_rows=512, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
@@ -216,8 +227,10 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
     # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
     # splits a block).
+    # dgrad reads W1 and W3 as stored below 10 rows per expert: the fused checks' 37-token
+    # calls take the copy, the others read them as stored.
     ("interpret", "native"): TileConfig(
-        block_m=16, w2_as_stored=1, grad1_saved_parts=2,
+        block_m=16, w2_as_stored=1, w13_as_stored_rows=10, grad1_saved_parts=2,
         gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
         gemm2_m=16, gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,

@@ -262,5 +262,5 @@ def gate_up(
     (``tile_gemm``)."""
     return tile_gemm(
         recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN, INTER, HIDDEN,
-        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, False,
+        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, False, 0,
     )

@@ -346,7 +346,7 @@ def fused_forward(
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
     rows_gemm_combine_kernel[(num_programs,)](
-        buffers.h, buffers.h_scales, w2, w2_scales, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
+        buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
         buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
         buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
         shape.local_experts, shape.rows_per_rank,
@@ -354,7 +354,7 @@ def fused_forward(
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
         SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        OVERLAP=bool(tiles.gemm2_overlap),
+        OVERLAP=bool(tiles.gemm2_overlap), W_AS_STORED=False,
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )
     y = torch.empty_like(x)

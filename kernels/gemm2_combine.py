@@ -3,8 +3,9 @@ per-token reduction. Used by the forward (GEMM2 + combine) and the backward (dgr
 combine).
 
 ``rows_gemm_combine_kernel``: persistent tiles of ``A W^T`` over the receive buffer's rows
-(``W`` per local expert ``[N, K]``, K-major: an N-major operand runs at a fraction of the
-speed); each output row goes straight to the combine buffer of
+(``W`` per local expert ``[N, K]``, K-major; or, unquantized, ``W^T`` as two weights stored
+``[K / 2, N]`` each, the dgrad GEMM's ``[W1 | W3]``: ``W_AS_STORED``); each output row goes
+straight to the combine buffer of
 the rank it came from, at row ``token * k + slot`` (the origin the dispatch stored beside
 the row). Padding rows of a block are computed but never stored. With ``SCORE_PARTS``,
 the programs then also sum each row's score-gradient parts in fixed order and push the
@@ -43,19 +44,22 @@ def _peer_offset(ptrs, source, rank, live, ELEM_BYTES: tl.constexpr, ALIGN: tl.c
 
 @triton.jit
 def rows_gemm_combine_kernel(
-    a, a_scales, w, w_scales, recv_meta, combine, combine_ptrs, score_parts, score_grad,
+    a, a_scales, w, w_scales, w_rest, recv_meta, combine, combine_ptrs, score_parts, score_grad,
     score_grad_ptrs, flags, flag_ptrs, state, local_base, local_rows,
     rank, ep, local_experts, rows_per_rank,
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    MX_DOT: tl.constexpr, OVERLAP: tl.constexpr,
+    MX_DOT: tl.constexpr, OVERLAP: tl.constexpr, W_AS_STORED: tl.constexpr,
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
-    e4m3, scaled as ``tile_gemm`` describes. Tiles are ``TILE_M`` rows (dividing the
-    receive layout's ``BLOCK_M``, so a tile never spans two experts) by ``BLOCK_N``.
-    ``OVERLAP``: flatten the tile loop into the K loop (below)."""
+    e4m3, scaled as ``tile_gemm`` describes. ``W_AS_STORED``: ``w`` and ``w_rest`` are
+    ``[local experts, K / 2, N]``, the columns ``0 .. K / 2`` of ``a`` multiplying ``w``, the
+    others ``w_rest`` (unscaled; ``w_rest`` unused otherwise). Tiles are ``TILE_M`` rows
+    (dividing the receive layout's ``BLOCK_M``, so a tile never spans two experts) by
+    ``BLOCK_N``. ``OVERLAP``: flatten the tile loop into the K loop (below)."""
     tl.static_assert(BLOCK_M % TILE_M == 0, "TILE_M must divide BLOCK_M")
+    K_SPLIT: tl.constexpr = K // 2 if W_AS_STORED else 0
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     out_dtype = combine.dtype.element_ty
@@ -73,8 +77,8 @@ def rows_gemm_combine_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
-            a, a_scales, rows, w, w_scales, None, None, le, n0, 0, K, N, K,
-            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT, False,
+            a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K, N, K,
+            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT, W_AS_STORED, K_SPLIT,
         )
 
         live = rows < end

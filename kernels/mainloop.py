@@ -7,7 +7,9 @@ weight read as stored instead of from a transposed copy; as fast in Triton 3.6 o
 at K = 2,048, 6% slower at 4,096: docs/perf.md v21), over the columns ``k_start ..
 k_end`` of K (the weight gradients contract one expert's token range of token-major
 copies). With ``TWO_B`` a second B of the same shape shares each A tile (GEMM1's W1 and
-W3).
+W3). With ``B_K_SPLIT`` (N-major, unscaled) B is two weights stacked along K, ``b`` its rows
+``0 .. B_K_SPLIT`` and ``b2`` the rest, each K step reading the one its rows lie in (the
+dgrad GEMM's ``[W1 | W3]`` read as stored, no transposed copy).
 
 Quantized operands (e4m3) bring fp32 scales: A one per row per ``SCALE_K`` elements along
 K (``[rows, cdiv(K, SCALE_K)]``), B one per ``B_SCALE_N x SCALE_K`` block
@@ -91,7 +93,7 @@ def tile_gemm(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
-    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr, B_K_SPLIT: tl.constexpr,
 ):
     """``A[rows] B[expert][cols]^T`` (fp32, ``[BLOCK_M, BLOCK_N]``); with ``TWO_B`` the pair
     ``(A B^T, A B2^T)``.
@@ -110,11 +112,17 @@ def tile_gemm(
     bf16, ``BLOCK_K`` a multiple of it).
     ``UPCAST_DOT``: operands go to the dot in fp32 (the Triton interpreter computes bf16
     dots wrongly). ``B_N_MAJOR``: B (and B2) are ``[experts, K, N]``; unscaled only.
+    ``B_K_SPLIT`` > 0 (N-major, one B, ``K = 2 B_K_SPLIT``, a multiple of ``BLOCK_K``): ``b``
+    and ``b2`` are ``[experts, B_K_SPLIT, N]``, B's rows ``k`` and ``B_K_SPLIT + k``, and
+    ``b2`` lies a multiple of 16 bytes from ``b`` (the loads stay 16 bytes wide).
     """
     PROMOTE: tl.constexpr = (SCALE_K > 0) & (not MX_DOT)
     if PROMOTE:
         tl.static_assert(SCALE_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_K")
     tl.static_assert((not B_N_MAJOR) | (SCALE_K == 0), "an N-major B is read unscaled only")
+    tl.static_assert((B_K_SPLIT == 0) | (B_N_MAJOR & (not TWO_B) & (QUANTIZE_A == 0) & (K == 2 * B_K_SPLIT)
+                                         & (B_K_SPLIT % BLOCK_K == 0)),
+                     "a B split along K is two N-major halves of whole K steps, unrounded")
     if MX_DOT:
         tl.static_assert(SCALE_K > 0, "an MX dot needs scales")
         tl.static_assert((BLOCK_K % SCALE_K == 0) & (B_SCALE_N <= 1), "an MX dot takes whole 1 x SCALE_K blocks")
@@ -134,7 +142,7 @@ def tile_gemm(
     # Pointers are built once, before the K loop, which only adds k: offsets recomputed
     # inside the loop keep the compiler from pipelining its loads.
     a_ptrs = a + rows[:, None].to(tl.int64) * K + ks[None, :]
-    expert_offset = tl.cast(expert, tl.int64) * N * K
+    expert_offset = tl.cast(expert, tl.int64) * N * (B_K_SPLIT if B_K_SPLIT > 0 else K)
     # Elements between one K row of a B tile and the next.
     B_K_STRIDE: tl.constexpr = N if B_N_MAJOR else 1
     if B_N_MAJOR:
@@ -146,6 +154,11 @@ def tile_gemm(
     if TWO_B:
         b2_ptrs = b2 + expert_offset + b_tile
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if B_K_SPLIT > 0:
+        # From row B_K_SPLIT on, B's rows lie in b2: a scalar added to the same pointers
+        # (one dot per K step, so the MMAs stay pipelined).
+        ELEM: tl.constexpr = b.dtype.element_ty.primitive_bitwidth // 8
+        b2_gap = tl.multiple_of((b2.to(tl.int64) - b.to(tl.int64)) // ELEM, 16 // ELEM) - B_K_SPLIT * N
     if SCALE_K > 0:
         K_BLOCKS: tl.constexpr = tl.cdiv(K, SCALE_K)
         if not QUANTIZE_A:
@@ -222,7 +235,10 @@ def tile_gemm(
                 x = tl.load(a_ptrs + k, mask=k_ok[None, :], other=0.0)
                 if QUANTIZE_A > 0:
                     x = round_rows(x.to(tl.float32), QUANTIZE_A).to(x.dtype)
-                y = tl.load(b_ptrs + k * B_K_STRIDE, mask=b_mask, other=0.0)
+                b_at = k * B_K_STRIDE
+                if B_K_SPLIT > 0:
+                    b_at += tl.where(k < B_K_SPLIT, 0, b2_gap)
+                y = tl.load(b_ptrs + b_at, mask=b_mask, other=0.0)
                 if TWO_B:
                     y2 = tl.load(b2_ptrs + k * B_K_STRIDE, mask=b_mask, other=0.0)
                 part = _dot(x, y, part, UPCAST_DOT)

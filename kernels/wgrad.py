@@ -136,7 +136,7 @@ def wgrad_kernel(
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
         a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n0, k_start, k_end, N, KT,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, MX_DOT, False, UPCAST_DOT, False,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, MX_DOT, False, UPCAST_DOT, False, 0,
     )
     if SPLIT_M > 0:
         tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")

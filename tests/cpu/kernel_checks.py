@@ -26,9 +26,10 @@ def gemm_tile_kernel(
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TWO_B: tl.constexpr, SCALE_K: tl.constexpr, B_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr,
-    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr,
+    QUANTIZE_A: tl.constexpr, UPCAST_DOT: tl.constexpr, B_N_MAJOR: tl.constexpr, B_K_SPLIT: tl.constexpr,
 ):
-    """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``), one tile per program."""
+    """``out = A B[expert]^T`` (and ``out2 = A B2[expert]^T``; with ``B_K_SPLIT``, B's rows
+    from ``B_K_SPLIT`` on are B2's), one tile per program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -37,13 +38,14 @@ def gemm_tile_kernel(
     if TWO_B:
         acc, acc2 = tile_gemm(
             a, a_scale, rows, b, b_scale, b2, b2_scale, expert, n0, 0, K, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, B_N_MAJOR,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, B_N_MAJOR, 0,
         )
         tl.store(out2 + at, acc2, mask=mask)
     else:
         acc = tile_gemm(
-            a, a_scale, rows, b, b_scale, None, None, expert, n0, 0, K, N, K,
+            a, a_scale, rows, b, b_scale, b2, None, expert, n0, 0, K, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_K, B_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, B_N_MAJOR,
+            B_K_SPLIT,
         )
     tl.store(out + at, acc, mask=mask)
 
@@ -61,9 +63,10 @@ def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: Format,
                   block_m: int, block_n: int, block_k: int, mx_upcast: bool = False, n_major: bool = False,
-                  **launch):
+                  split_k: bool = False, **launch):
     """The mainloop over ``a [M, K]`` and expert ``expert`` of ``b`` (and ``b2``)
-    ``[E, N, K]`` (``n_major``: ``[E, K, N]``), scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
+    ``[E, N, K]`` (``n_major``: ``[E, K, N]``; ``split_k``: ``b`` and ``b2`` the halves of
+    one N-major B along K, ``[E, K / 2, N]`` each), scaled as ``fmt`` says (quantized ``a`` without ``a_scales``: the
     mainloop quantizes it as it reads it, or, MX held in bf16, rounds it; quantized ``b``
     without ``b_scales``: bf16 values
     already dequantized; ``mx_upcast``: MX tiles upcast in the mainloop, not handed to
@@ -72,15 +75,15 @@ def run_tile_gemm(a, b, b2, a_scales, b_scales, b2_scales, expert: int, fmt: For
     n = b.shape[2 if n_major else 1]
     m_pad = triton.cdiv(m, block_m) * block_m
     out = torch.full((m, n), float("nan"), device=a.device)
-    out2 = None if b2 is None else torch.full_like(out, float("nan"))
+    out2 = None if b2 is None or split_k else torch.full_like(out, float("nan"))
     gemm_tile_kernel[(m_pad // block_m, triton.cdiv(n, block_n))](
         _padded_rows(a, m_pad), _padded_rows(a_scales, m_pad), b, b_scales, b2, b2_scales, out, out2,
         m, expert,
-        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=b2 is not None,
+        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TWO_B=out2 is not None,
         SCALE_K=fmt.row_scale_k,
         B_SCALE_N=fmt.weight_block[0] if b_scales is not None else 0, MX_DOT=mx_dot(fmt, mx_upcast),
         QUANTIZE_A=(fmt.row_scale_k or fmt.round_k) if a_scales is None else 0, UPCAST_DOT=INTERPRET,
-        B_N_MAJOR=n_major, **launch,
+        B_N_MAJOR=n_major, B_K_SPLIT=k // 2 if split_k else 0, **launch,
     )
     return out, out2
 
@@ -172,6 +175,13 @@ def check_mainloop(device, m: int, n: int, k: int, block_m: int, block_n: int, b
                         err = relative_error(got.cpu(), want)
                         assert err <= tolerances[name], (
                             name, m, n, k, block_k, two_b, n_major, err, f"seed {seed}")
+            if k % (2 * block_k) == 0:
+                # One N-major B in two halves along K (the dgrad GEMM's W1 and W3 as stored).
+                halves = [h.transpose(1, 2).contiguous().to(device) for h in bs[0].chunk(2, dim=2)]
+                got, _ = run_tile_gemm(a.to(device), *halves, None, None, None, experts - 1, NATIVE,
+                                       block_m, block_n, block_k, n_major=True, split_k=True, **launch)
+                err = relative_error(got.cpu(), expected[0])
+                assert err <= tolerances[name], (name, "split K", m, n, k, block_k, err, f"seed {seed}")
 
 
 @triton.jit

@@ -117,8 +117,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         # values are exact in bf16.
         assert not tiles.mx_dequantized_weights or fmt.scaled_mma, row
         assert not tiles.mx_in_bf16 or fmt.scaled_mma, row
-        # W2 read as stored: an unscaled operand.
-        assert not tiles.w2_as_stored or not fmt.quantized, row
+        # Weights read as stored: unscaled operands.
+        assert not (tiles.w2_as_stored or tiles.w13_as_stored_rows) or not fmt.quantized, row
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
             fmt.scaled_mma and tiles.block_m % fmt.activation_block[1] == 0), row
