@@ -101,16 +101,20 @@ class GradBuffers:
             if getattr(tiles, field) and self.grad_format.quantized:
                 raise ValueError(f"{field} = {getattr(tiles, field)} reads {weight} unquantized; the backward's "
                                  f"format is {self.grad_format.name}")
-        self.w13_as_stored_rows = tiles.w13_as_stored_rows if shape.inter % tiles.dgrad_k == 0 else 0
-        """Calls with fewer rows per local expert than this read W1 and W3 as stored in the
-        dgrad GEMM (``TileConfig.w13_as_stored_rows``; 0 for an intermediate size that is not
-        a whole number of K steps)."""
+        whole_k_steps = shape.inter % tiles.dgrad_k == 0
+        self._w13_as_stored_below = tiles.w13_as_stored_rows * shape.local_experts if whole_k_steps else 0
         self.wgrad_format = precision.wgrad
         """Format of the weight-gradient GEMMs."""
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
             symmetric, rows, shape.hidden, shape.dtype, self.dy_link.row_scale_k)
         self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
+
+    def reads_w13_as_stored(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a call of ``num_tokens`` tokens has the dgrad GEMM read W1 and W3 as stored
+        (``TileConfig.w13_as_stored_rows``; never for an intermediate size that is not a
+        whole number of K steps)."""
+        return num_tokens * top_k < self._w13_as_stored_below
 
     @property
     def symmetric_bytes(self) -> int:
@@ -124,15 +128,15 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     transposed weights (those the GEMMs do not read as stored: ``w2_as_stored``,
     ``w13_as_stored_rows``), in e4m3 where the backward is quantized, with the e4m3 copies
     of ``dab`` and ``dy``; then, quantized, a pair of token-major copies for quantized
-    weight gradients. A quantized forward adds ``h`` for
-    the weight gradients and GEMM1's e4m3 weights."""
+    weight gradients. A quantized forward adds ``h`` for the weight gradients and GEMM1's
+    e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter, itemsize = shape.hidden, shape.inter, shape.dtype.itemsize
     parts = triton.cdiv(inter, min(tiles.grad1_n, tiles.grad1_saved_n))  # the narrower launch's
     weights = 3 * shape.local_experts * inter * hidden
     # W1 and W3 transposed unless every call (up to the capacity) reads them as stored.
-    w13_copied = shape.capacity_tokens_per_rank * shape.top_k >= grad.w13_as_stored_rows * shape.local_experts
+    w13_copied = not grad.reads_w13_as_stored(shape.capacity_tokens_per_rank, shape.top_k)
     transposed = weights // 3 * ((not tiles.w2_as_stored) + 2 * w13_copied)
     fmt = grad.grad_format
     # A quantized operand per element: e4m3 and fp32 scales, or the activation dtype (held in bf16).
@@ -329,8 +333,7 @@ def fused_backward(
         w2_operand_scales = w13t_scales = None
         w2_operand = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
         # The dgrad GEMM's B: [W1 | W3] transposed, or W1 and W3 as stored (one B split along K).
-        stored = (num_tokens * top_k < grad.w13_as_stored_rows * shape.local_experts
-                  and (w3.data_ptr() - w1.data_ptr()) % 16 == 0)
+        stored = grad.reads_w13_as_stored(num_tokens, top_k) and (w3.data_ptr() - w1.data_ptr()) % 16 == 0
         w13t, w3_stored = ((w1, w3) if stored
                            else (transposed_side_by_side([w1, w3], tiles.transpose_block), None))
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).

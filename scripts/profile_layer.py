@@ -26,8 +26,8 @@ import cProfile
 import dataclasses
 import io
 import json
-import pstats
 import os
+import pstats
 import sys
 import time
 from collections import defaultdict
