@@ -147,6 +147,9 @@ class TileConfig:
         return fmt.in_bf16() if self.mx_in_bf16 and fmt.scaled_mma else fmt
 
 
+EVERY_CALL = 1 << 31
+"""``w13_as_stored_rows`` above any call's rows per local expert."""
+
 TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # H100/H200 (measured on H200, docs/perf.md): GEMM1 128x(2x128)x64 in 4 stages,
     # GEMM2 128x256x64 in 3 stages, 8 warps each; backward 128x(3x64)x64 in 4 stages and
@@ -156,11 +159,12 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # 128x128 with its epilogue in two halves: one 128-wide epilogue spilled (1.2 KB at
     # 235B-A22B), 64-wide tiles read 1.5x the operand bytes per FLOP (first kernel 2.21 ->
     # 1.77 ms at 30B-A3B 16k against 64 wide, 6.60 -> 5.52 at 235B-A22B against one
-    # 128-wide part; v22). dgrad reads W1 and W3 as stored below 512 rows per expert: its
-    # N-major operand made the dgrad GEMM ~1.5x slower, which the transposes' fixed 0.46
-    # ms (30B-A3B) outweigh at 256 rows per expert and not at 1,024 (v23).
+    # 128-wide part; v22). dgrad reads W1 and W3 as stored in every call: with its
+    # combine stores 16 bytes wide again the N-major operand costs the GEMM nothing
+    # measurable, and the transposes it spares took 0.46 ms (30B-A3B) and 1.82 ms
+    # (235B-A22B) per call at 16k tokens (v24; v23's 1.5x slower GEMM was those stores).
     ("sm90", "native"): TileConfig(
-        block_m=128, w2_as_stored=1, w13_as_stored_rows=512, grad1_saved_parts=2,
+        block_m=128, w2_as_stored=1, w13_as_stored_rows=EVERY_CALL, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,

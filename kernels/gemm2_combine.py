@@ -74,7 +74,10 @@ def rows_gemm_combine_kernel(
         end = tl.load(local_base + le) + tl.load(local_rows + le)
 
         rows = row0 + tl.arange(0, TILE_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
+        # The hints restate what the flattened loop hides: an N-major B tile is built from
+        # these columns too, and the loop carries that value, whose alignment the compiler
+        # then no longer knows (the stores fell to 2 bytes each, docs/perf.md v24).
+        cols = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K, N, K,

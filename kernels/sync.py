@@ -178,7 +178,11 @@ def peer_pointer(local, ptrs, peer, rank):
     keeps knowing the buffer is 16-byte aligned and copies rows 16 bytes at a time.
     """
     elem: tl.constexpr = local.dtype.element_ty.primitive_bitwidth // 8
-    offset = (tl.load(ptrs + peer) - tl.load(ptrs + rank)) // elem
+    offset = tl.load(ptrs + peer) - tl.load(ptrs + rank)
+    # The hint marks the op that makes its value: a division by 1 (byte elements) would be
+    # folded away with it, and the e4m3 copies would store a byte at a time.
+    if elem > 1:
+        offset = offset // elem
     return local + tl.multiple_of(offset, 16 // elem)
 
 

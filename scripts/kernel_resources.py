@@ -7,9 +7,9 @@ Runs the fused forward and backward (GEMM1 saved and recomputed, both score mode
 tensors with every Triton launch replaced by a compile for the architecture's target
 (``sm_90a``, or ``sm_100a`` for the tile table's Blackwell rows), and prints, per kernel
 variant, its shared memory, registers per thread, spill (stack) bytes, machine
-instructions (how many, subroutine calls, local-memory accesses) and MMA instructions,
-read from the compiled binary. A kernel whose shared memory exceeds the
-architecture's limit cannot launch; spills cost time (and, on first launch, a
+instructions (how many, subroutine calls, local-memory accesses, stores of one or two
+bytes) and MMA instructions, read from the compiled binary. A kernel whose shared memory
+exceeds the architecture's limit cannot launch; spills cost time (and, on first launch, a
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
 The compile-only launch swaps in a stand-in for Triton's CUDA driver that names the
@@ -81,6 +81,10 @@ def _cuobjdump(cubin: bytes, *options: str) -> list[str]:
 
 SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.MULTILINE)
 """The opcode of each instruction line of ``cuobjdump -sass`` (after its predicate)."""
+NARROW_STORE = re.compile(r"\bSTG\.E\.(?:U|S)(?:8|16)\b")
+"""A global store of one or two bytes: rows of e4m3 or bf16 stored an element at a time,
+where the compiler lost their 16-byte alignment (every tile and row store here can be 16
+bytes wide)."""
 
 
 def _usage(cubin: bytes) -> dict[str, int]:
@@ -95,7 +99,8 @@ def _usage(cubin: bytes) -> dict[str, int]:
     regs, stack, _static_shared = map(int, found.groups())
     opcodes = SASS_OPCODE.findall(sass)
     return {"registers": regs, "stack_bytes": stack, "instructions": len(opcodes),
-            "calls": opcodes.count("CALL"), "local_accesses": opcodes.count("STL") + opcodes.count("LDL")}
+            "calls": opcodes.count("CALL"), "local_accesses": opcodes.count("STL") + opcodes.count("LDL"),
+            "narrow_stores": len(NARROW_STORE.findall(sass))}
 
 
 def _mma_shapes(ptx: str) -> str:
@@ -181,12 +186,12 @@ def main(argv=None) -> int:
         results[name] = list(records)
         print(f"\n{name} ({args.shape}, {target})")
         print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s} "
-              f"{'instr':>6s} {'calls':>5s} {'STL/LDL':>7s}  mma")
+              f"{'instr':>6s} {'calls':>5s} {'STL/LDL':>7s} {'narrow':>6s}  mma")
         for r in records:
             over = "  > limit" if r["shared_bytes"] > limit else ""
             print(f"{r['kernel']:30s} {r['num_warps']:5d} {r['num_stages']:6d} {r['shared_bytes'] / 1024:9.1f} "
                   f"{r['registers']:4d} {r['stack_bytes']:7d} {r['instructions']:6d} {r['calls']:5d} "
-                  f"{r['local_accesses']:7d}  {r['mma']}{over}")
+                  f"{r['local_accesses']:7d} {r['narrow_stores']:6d}  {r['mma']}{over}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_resources.json").write_text(json.dumps(

@@ -586,7 +586,8 @@ def _kernel_resources(tmp_path, *runs: tuple[str, ...]) -> dict:
 def test_every_sm90_kernel_fits_an_h100(tmp_path):
     """Compiled for sm_90a on this host (no GPU), every fused kernel of the bf16, fp8,
     fp8_bwd and mxfp8 tile rows fits in an H100/H200 thread block's shared memory (a row
-    that does not fails on the GPU only at its first launch) and calls no subroutine.
+    that does not fails on the GPU only at its first launch), calls no subroutine and
+    stores no row a byte or two at a time.
     mxfp8's GEMMs run bf16 MMAs there (Hopper has no MX MMA: its operands are held in bf16),
     and its weight gradients take bf16 copies rounded along the tokens instead of
     ``wgrad_kernel``."""
@@ -603,6 +604,11 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
     # spills the registers live across it): the quantizers compute scales without one.
     calls = [(name, r["kernel"]) for name, records in report["precisions"].items() for r in records if r["calls"]]
     assert not calls, calls
+    # Every row and tile store 16 bytes wide: a one- or two-byte store means the compiler
+    # lost an alignment (e4m3 dispatch copies, combine stores after an N-major B tile).
+    narrow = [(name, r["kernel"]) for name, records in report["precisions"].items() for r in records
+              if r["narrow_stores"]]
+    assert not narrow, narrow
 
 
 def test_sm100_mxfp8_kernels_compile_to_native_mx_mma(tmp_path):
