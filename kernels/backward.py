@@ -15,8 +15,8 @@ One call (all on the current stream, no host synchronisation):
    buffers, the score gradients to their ``score_grad``; COMBINE_READY.
 4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
    blocks (offsets are each expert's block-aligned end, read on the device):
-   ``dW2 = dy^T h_wgrad``, ``dW1 = da^T x``, ``dW3 = db^T x``. They run while the peers
-   may still be pushing this rank's rows.
+   ``dW1 = da^T x``, ``dW3 = db^T x``, then (``dab`` freed) ``dW2 = dy^T h_wgrad``. They
+   run while the peers may still be pushing this rank's rows.
 5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
    the score gradient when the score scaled the expert input).
 
@@ -388,7 +388,7 @@ def fused_backward(
     )
     # The weight gradients read neither: their memory goes to what those allocate (the
     # caching allocator hands it out in stream order, after the kernel above).
-    del w2_operand, w13t, w2_operand_scales, w13t_scales, w3_stored, dab_q, dab_scales
+    del first_kernel, w2_operand, w13t, w2_operand_scales, w13t_scales, w3_stored, dab_q, dab_scales
 
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:
@@ -405,18 +405,21 @@ def fused_backward(
         # time: dequantized where they crossed quantized (``fp8_wgrad_bf16``), and for MX
         # weight gradients (``mx_wgrad_dequantized``) quantized along the tokens and
         # dequantized again, every operand.
+        # dW1 and dW3 first: [da | db] is freed before dW2 is allocated, so that the
+        # backward's peak holds the three weight gradients or [da | db], not both.
         mx_block = grad.mx_wgrad_block
         bm = tiles.block_m
         ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
+        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
+        dab_rows = _dequantized(buffers, dab, None, 0, mx_block)
+        del dab
+        dw1 = torch._grouped_mm(dab_rows[:, : shape.inter].t(), x_rows, offs=ends)
+        dw3 = torch._grouped_mm(dab_rows[:, shape.inter :].t(), x_rows, offs=ends)
+        del x_rows, dab_rows
         dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k, mx_block)
         h_rows = _dequantized(buffers, h_wgrad, None, 0, mx_block)
         del h_wgrad
         dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)
-        del dy_rows, h_rows
-        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
-        dab = _dequantized(buffers, dab, None, 0, mx_block)
-        dw1 = torch._grouped_mm(dab[:, : shape.inter].t(), x_rows, offs=ends)
-        dw3 = torch._grouped_mm(dab[:, shape.inter :].t(), x_rows, offs=ends)
 
     dx = torch.empty_like(x)
     d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)

@@ -28,7 +28,9 @@ and, with matplotlib, ``bench_layer.png``.
 
 import argparse
 import dataclasses
+import functools
 import gc
+import importlib.util
 import json
 import os
 import shlex
@@ -36,6 +38,7 @@ import statistics
 import sys
 import textwrap
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -44,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+import titan_megamoe
 from titan_megamoe import cpu_compat
 from titan_megamoe.ops import BACKENDS, resolve_backend
 from titan_megamoe.precision import GROUPED_MM_FLOAT8, PRECISION_CHOICES, get_precision
@@ -98,6 +102,9 @@ DEFAULTS = {
     "cpu": dict(shapes=["debug"], tokens=[256], variants=["stock", "mega_moe"],
                 backend="reference", warmup=1, iters=3),
 }
+
+MEMORY_SITES_PRINTED = 12
+"""Allocation sites printed per variant with ``--memory`` (the JSON holds them all)."""
 
 CPU_RANKS = 2
 COMPUTE_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
@@ -178,6 +185,9 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                         f"receives; the backward recomputes the others (default {DEFAULT_SAVE_GEMM1_LOAD})")
     p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
     p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
+    p.add_argument("--memory", action="store_true",
+                   help="record the allocator's history and print the blocks live at each variant's peak "
+                        "(GPUs; the host then records every allocation, which slows host-bound rows)")
     p.add_argument("--out", default="outputs/bench_layer")
     args = p.parse_args(argv)
 
@@ -249,7 +259,7 @@ def worker_argv(args) -> list[str]:
         "--out", args.out,
     ]
     flags = {"--forward-only": args.forward_only, "--save-gemm1": args.save_gemm1,
-             "--ep-spans-nodes": args.ep_spans_nodes}
+             "--ep-spans-nodes": args.ep_spans_nodes, "--memory": args.memory}
     return argv + [flag for flag, on in flags.items() if on]
 
 
@@ -453,16 +463,81 @@ def matmul_peak_tflops(device, fp8: bool = False) -> float | None:
     return 2 * n**3 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
+PROJECT_DIRS = tuple(str(Path(p).resolve().parent) + os.sep for p in (
+    titan_megamoe.__file__, importlib.util.find_spec("titan_megamoe.kernels").origin, __file__))
+"""Where this project's code lies: a block is attributed to the innermost frame here."""
+
+
+def live_at_peak(trace: list[dict], baseline: int) -> tuple[int, list[dict]]:
+    """``(peak bytes, the allocations live at the peak)`` of one device's allocator trace
+    (``torch.cuda.memory._snapshot()["device_traces"][device]``), ``baseline`` bytes being
+    allocated when it began. A block counts from its ``alloc`` to its ``free_requested``:
+    the allocator's count of allocated bytes drops at the request, before the block's
+    stream uses complete."""
+    live, now, peak, at_peak = {}, baseline, baseline, []
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            now += event["size"]
+            if now > peak:
+                peak, at_peak = now, list(live.values())
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            now -= live.pop(event["addr"])["size"]
+    return peak, at_peak
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """``file:line function`` of the innermost frame in this project's code (frames run
+    innermost first), or of the innermost Python frame."""
+    ours = [f for f in frames if f["filename"].startswith(PROJECT_DIRS)]
+    if not (ours or frames):
+        return "(no Python frame)"
+    f = (ours or frames)[0]
+    return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+
+
+def memory_at_peak(run):
+    """``(run(), memory)``, ``run`` under the caching allocator's history. ``memory``: the
+    peak, the bytes allocated before ``run`` began, and the bytes live at the peak by
+    allocation site (largest first)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        result = run()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, live = live_at_peak(trace, baseline)
+    sites = defaultdict(lambda: [0, 0])
+    for block in live:
+        site = sites[allocation_site(block.get("frames", []))]
+        site[0] += block["size"]
+        site[1] += 1
+    memory = {"peak_bytes": peak, "allocator_peak_bytes": torch.cuda.max_memory_allocated(),
+              "baseline_bytes": baseline,
+              "sites": sorted(([name, size, count] for name, (size, count) in sites.items()), key=lambda s: -s[1])}
+    return result, memory
+
+
 def measure(layer, x, dy, args, device, timer):
-    """One variant's times and peak memory; its output and gradients."""
-    cuda = device.type == "cuda"
-    if cuda:
+    """One variant's times and, on GPUs, peak memory (``--memory``: and the blocks live at
+    the peak, ``memory_at_peak``); its output and gradients."""
+    run = functools.partial(run_variant, layer, x, dy, timer, args.warmup, args.iters, args.forward_only)
+    if device.type != "cuda":
+        return run()
+    if args.memory:
+        (result, y, grads), memory = memory_at_peak(run)
+        result["memory_at_peak"] = memory
+    else:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
-    result, y, grads = run_variant(layer, x, dy, timer, args.warmup, args.iters, args.forward_only)
-    if cuda:
-        result["resident_memory_gib"] = resident / 2**30
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        memory = {"baseline_bytes": torch.cuda.memory_allocated()}
+        result, y, grads = run()
+    result["resident_memory_gib"] = memory["baseline_bytes"] / 2**30
+    result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result, y, grads
 
 
@@ -528,15 +603,17 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
         start = time.perf_counter()
         result, y, grads = measure(layer, x, dy, args, device, timer)
         if name in MEGA_VARIANTS and "peak_memory_gib" in result:
-            # The fused backend's symmetric buffers live outside PyTorch's caching
-            # allocator, so max_memory_allocated does not see them: add them. (Imported
-            # here: it loads Triton, which only GPU runs of the fused backend need.)
-            from titan_megamoe import fused
+            # The fused backend's symmetric buffers over several ranks live outside
+            # PyTorch's caching allocator, so max_memory_allocated does not see them: add
+            # them (one rank's are plain allocations, counted already). Imported here: it
+            # loads Triton, which only GPU runs of the fused backend need.
+            from titan_megamoe import fused, symm
 
             held = fused.symmetric_bytes(layer.experts.settings.precision.name,
                                          capacity_tokens_per_rank=tokens, hidden=shape.hidden)
             result["symmetric_memory_gib"] = held / 2**30
-            result["peak_memory_gib"] += result["symmetric_memory_gib"]
+            if not symm.in_caching_allocator(dist.group.WORLD):
+                result["peak_memory_gib"] += result["symmetric_memory_gib"]
         add_rates(result, fwd_flops, peak)
         if name == "stock":
             reference = (y, grads)
@@ -544,6 +621,11 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             result["rel_err_vs_stock"] = errors_vs_stock(y, grads, reference, device)
         row[name] = result
         say(f"{prefix} done in {time.perf_counter() - start:.1f} s: {times_text(result, args.forward_only)} ms ({what})")
+        if "memory_at_peak" in result:
+            say(f"{prefix}: peak {result['peak_memory_gib']:.2f} GiB; live at the peak besides what was allocated "
+                f"before ({result['resident_memory_gib']:.2f} GiB):")
+            for site, size, count in result["memory_at_peak"]["sites"][:MEMORY_SITES_PRINTED]:
+                say(f"    {size / 2**20:10.1f} MiB  x{count:<3} {site}")
     row["speedup"] = speedups(row)
     return row
 

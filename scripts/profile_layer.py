@@ -19,6 +19,11 @@ again for the backward, at that peak) over the wall time. Writes ``profile_layer
 time per call, and the host's time to issue one with the GPU held busy beforehand (so the
 host never waits for it), and writes Python's profile of those calls (the functions that
 take the host's time, backward included) to ``host_profile.txt``.
+
+``--memory`` records the caching allocator's history over one call and prints the peak,
+what was allocated before the call began (inputs, weights, the operator's local buffers),
+the operator's symmetric buffers (outside the allocator over several ranks) and the
+blocks live at the peak, summed by the line of this project that allocated them.
 """
 
 import argparse
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from titan_megamoe import fused
 from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
@@ -44,7 +50,7 @@ from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import matmul_peak_tflops, positive_float  # noqa: E402  (the bench's peak, measured the same way)
+from bench_layer import matmul_peak_tflops, memory_at_peak, positive_float  # noqa: E402  (measured as the bench does)
 
 SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
@@ -119,6 +125,20 @@ def host_times(call, iters: int) -> tuple[float, float, str]:
     return wall_ms, host_ms, text.getvalue()
 
 
+def memory_lines(memory: dict) -> list[str]:
+    gib = 2**30
+    symmetric = memory["symmetric_bytes"] / gib
+    if memory["symmetric_in_allocator"]:
+        total = f"{memory['peak_bytes'] / gib:.2f} GiB, the {symmetric:.2f} GiB of symmetric buffers among them"
+    else:
+        total = (f"{memory['peak_bytes'] / gib:.2f} GiB in the allocator + {symmetric:.2f} GiB symmetric = "
+                 f"{memory['peak_bytes'] / gib + symmetric:.2f} GiB")
+    lines = [f"    memory: peak {total}; before the call {memory['baseline_bytes'] / gib:.2f} GiB (the operator's "
+             f"local buffers {memory['local_bytes'] / gib:.2f} among them); live at the peak:"]
+    lines += [f"    {size / 2**20:10.1f} MiB  x{count:<3} {site}" for site, size, count in memory["sites"]]
+    return lines
+
+
 def inputs(shape: str, tokens: int, rank: int, world: int):
     hidden, inter, experts, top_k = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -176,6 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=positive_int, default=10)
     p.add_argument("--host", action="store_true",
                    help="also time the host per call without the profiler, and profile its Python")
+    p.add_argument("--memory", action="store_true",
+                   help="also record one call's allocations and print what is live at its peak")
     p.add_argument("--out", default="outputs/profile_layer")
     return p.parse_args(argv)
 
@@ -249,6 +271,10 @@ def main():
         if args.host:
             wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
             results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
+        if args.memory:
+            _, memory = memory_at_peak(call)
+            memory.update(fused.held_bytes(x, rest[0], rest[2], group, settings))
+            results[label]["memory"] = memory
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
         hidden, inter, _, _ = SHAPES[args.shape]
@@ -266,6 +292,8 @@ def main():
                 print(f"    without the profiler: {r['unprofiled_wall_ms']:.3f} ms per call, the host issued "
                       f"one in {r['unprofiled_host_ms']:.3f} ms (GPU held busy)")
             print("\n".join(kernel_lines(r["kernels_ms"], flops, peak)))
+            if "memory" in r:
+                print("\n".join(memory_lines(r["memory"])))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         summary = {"args": vars(args), "ep": world, "rows_rank0": rows, "peak_tflops": peak,

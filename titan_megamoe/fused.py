@@ -207,6 +207,16 @@ def symmetric_bytes(precision: str, **shape_fields) -> int:
     return total
 
 
+def held_bytes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> dict[str, int]:
+    """What the buffers of a call of this kind hold across calls, forward and (once
+    allocated) backward: ``symmetric_bytes``, ``local_bytes``, and
+    ``symmetric_in_allocator`` (``symm.in_caching_allocator``)."""
+    buffers = _plan(x, topk_idx, w1, group, settings).buffers
+    grad = _GRAD_BUFFERS.get(id(buffers))
+    return {"symmetric_bytes": buffers.symmetric_bytes + (0 if grad is None else grad.symmetric_bytes),
+            "local_bytes": buffers.local_bytes, "symmetric_in_allocator": symm.in_caching_allocator(group)}
+
+
 def _programs(x: torch.Tensor, group: symm.Group, comm_sms: int) -> tuple[int, int]:
     """``(dispatching programs, programs per persistent kernel)`` on this rank."""
     if INTERPRET:

@@ -228,12 +228,18 @@ def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, group_name, score_before_exper
 def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings = inputs
     ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, output[2])
+    # The saved pre-activations are the backward's, not an output: autograd would
+    # otherwise hand the backward a zero gradient of their size (up to a GiB per layer).
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)
     ctx.group_name = group_name
     ctx.score_before_experts = score_before_experts
     ctx.settings = settings
 
 
 def _backward(ctx, dy, _d_tokens_per_local_expert, _d_saved):
+    if dy is None:  # no gradient reached y (gradients are not materialized): none flows on
+        return (None,) * 9
     dx, d_topk_w, dw1, dw2, dw3 = moe_backward(
         dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.score_before_experts, ctx.settings
     )

@@ -83,6 +83,13 @@ class VirtualRank:
 Group = dist.ProcessGroup | VirtualRank | None
 
 
+def in_caching_allocator(group: Group) -> bool:
+    """Whether ``group``'s symmetric buffers are allocations of PyTorch's caching allocator
+    (a single rank, virtual ranks), which ``torch.cuda.memory_allocated`` counts, rather
+    than torch's symmetric memory, which it does not."""
+    return not isinstance(group, dist.ProcessGroup) or group.size() == 1
+
+
 def ranks_per_device(group: Group) -> int:
     """How many ranks of ``group`` share this GPU (its SMs are split between them)."""
     return group.size() if isinstance(group, VirtualRank) else 1

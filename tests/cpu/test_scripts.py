@@ -109,7 +109,7 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
 
 def test_bench_layer_launcher_passes_what_it_resolved():
     args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
-                                           "--save-gemm1-load", "0.5"])
+                                           "--save-gemm1", "--save-gemm1-load", "0.5", "--memory"])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
     assert vars(again) == vars(args)
@@ -161,6 +161,30 @@ def test_profile_layer_counts_each_stage_against_the_peak():
     assert lines[0].split() == ["2.000", "ms", "dispatch_gemm1_kernel", "(412", "TFLOP/s,", "41%", "of", "peak)"]
     assert lines[1].split() == ["0.500", "ms", "combine_reduce_kernel"]
     assert "% of peak" not in profile_layer.kernel_lines({"dispatch_gemm1_kernel": 2.0}, forward, None)[0]
+
+
+def test_memory_at_peak_finds_the_blocks_live_then():
+    """An allocator trace: the peak is the largest sum of live blocks over time (from
+    the bytes allocated before), the blocks live then are the ones listed, a block freed
+    before the peak is not, and each is named by this project's innermost frame."""
+    ours = {"filename": str(REPO / "kernels" / "backward.py"), "line": 7, "name": "fused_backward"}
+    torch_frame = {"filename": "/usr/lib/python3/site-packages/torch/functional.py", "line": 3, "name": "empty"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame, ours]},
+        {"action": "alloc", "addr": 2, "size": 200, "frames": [torch_frame]},
+        {"action": "free_requested", "addr": 2, "size": 200},
+        {"action": "free_completed", "addr": 2, "size": 200},
+        {"action": "alloc", "addr": 3, "size": 250, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 10, "frames": [ours]},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 5, "size": 50, "frames": []},
+    ]
+    peak, live = bench_layer.live_at_peak(trace, baseline=1000)
+    assert peak == 1000 + 100 + 250 + 10
+    assert sorted(b["addr"] for b in live) == [1, 3, 4]
+    assert bench_layer.allocation_site([torch_frame, ours]) == "backward.py:7 fused_backward"
+    assert bench_layer.allocation_site([torch_frame]) == "functional.py:3 empty"
+    assert bench_layer.allocation_site([]) == "(no Python frame)"
 
 
 # ---------------------------------------------------------------- table and plot
