@@ -194,17 +194,18 @@ def _start_reporting() -> None:
     threading.Thread(target=poll, name="mega_moe-failure-report", daemon=True).start()
 
 
+def _symmetric_bytes(buffers: ForwardBuffers) -> int:
+    """Bytes of ``buffers``' symmetric buffers and, once allocated, their backward's."""
+    grad = _GRAD_BUFFERS.get(id(buffers))
+    return buffers.symmetric_bytes + (0 if grad is None else grad.symmetric_bytes)
+
+
 def symmetric_bytes(precision: str, **shape_fields) -> int:
-    """Bytes of the symmetric buffers this process holds (outside PyTorch's caching
-    allocator) for ``precision`` (a name) and shapes whose ``ForwardShape`` fields equal
-    ``shape_fields``."""
-    total = 0
-    for key, buffers in _BUFFERS.items():
-        if key[3] == precision and all(getattr(buffers.shape, k) == v for k, v in shape_fields.items()):
-            total += buffers.symmetric_bytes
-            grad = _GRAD_BUFFERS.get(id(buffers))
-            total += 0 if grad is None else grad.symmetric_bytes
-    return total
+    """Bytes of the symmetric buffers this process holds for ``precision`` (a name) and
+    shapes whose ``ForwardShape`` fields equal ``shape_fields`` (outside PyTorch's caching
+    allocator unless ``symm.in_caching_allocator``)."""
+    return sum(_symmetric_bytes(buffers) for key, buffers in _BUFFERS.items()
+               if key[3] == precision and all(getattr(buffers.shape, k) == v for k, v in shape_fields.items()))
 
 
 def held_bytes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> dict[str, int]:
@@ -212,9 +213,8 @@ def held_bytes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -
     allocated) backward: ``symmetric_bytes``, ``local_bytes``, and
     ``symmetric_in_allocator`` (``symm.in_caching_allocator``)."""
     buffers = _plan(x, topk_idx, w1, group, settings).buffers
-    grad = _GRAD_BUFFERS.get(id(buffers))
-    return {"symmetric_bytes": buffers.symmetric_bytes + (0 if grad is None else grad.symmetric_bytes),
-            "local_bytes": buffers.local_bytes, "symmetric_in_allocator": symm.in_caching_allocator(group)}
+    return {"symmetric_bytes": _symmetric_bytes(buffers), "local_bytes": buffers.local_bytes,
+            "symmetric_in_allocator": symm.in_caching_allocator(group)}
 
 
 def _programs(x: torch.Tensor, group: symm.Group, comm_sms: int) -> tuple[int, int]:

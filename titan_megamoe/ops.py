@@ -229,7 +229,7 @@ def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings = inputs
     ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, output[2])
     # The saved pre-activations are the backward's, not an output: autograd would
-    # otherwise hand the backward a zero gradient of their size (up to a GiB per layer).
+    # otherwise hand the backward a zero gradient of their size (up to a GiB per call).
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)
     ctx.group_name = group_name
