@@ -2,9 +2,9 @@
 
 One call (all on the current stream, no host synchronisation):
 
-1. ``route``: the rows' send order is re-derived from ``topk_idx`` (a stable sort, so it
-   is the forward's) and the layout kernel runs again: the same receive layout, and a
-   new epoch whose count exchange is the call's start barrier (``sync``). A rank whose
+1. ``layout``: the layout kernel runs again on the forward's routing (its rows' send
+   order, ``forward.sort_rows``): the same receive layout, and a new epoch whose count
+   exchange is the call's start barrier (``sync``). A rank whose
    receive buffer still holds this forward's expert inputs (the forward was the last
    call on these buffers, as under full activation checkpointing, where the layer's
    forward is recomputed right before its backward) asks for the gradient rows alone.
@@ -51,14 +51,17 @@ from titan_megamoe.kernels.forward import (
     after_launches,
     check_call,
     inputs_key,
+    layout,
     pad,
     reduce,
-    route,
+    routing_numel,
     row_buffer,
+    split_routing,
     weight_scale_rows,
     weights_in_bf16,
 )
 from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECOMPUTE_NEXT_TILE
@@ -187,7 +190,7 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
     scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
     shape = buffers.shape
     grid = (kt // token_block, triton.cdiv(cols, tiles.token_major_cols))
-    token_major_kernel[grid](
+    launch(token_major_kernel, grid,
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=stride, COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=tiles.token_major_cols,
@@ -225,7 +228,7 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
     out = torch.empty(rows.shape, dtype=shape.dtype, device=rows.device)
     block_r = mx_token_block or min(DEQUANTIZE_ROWS, buffers.tiles.block_m)
     grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
-    dequantized_rows_kernel[grid](
+    launch(dequantized_rows_kernel, grid,
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
         COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0, LOCAL_PAD=pad(shape.local_experts),
         BLOCK_M=buffers.tiles.block_m, BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, MX_TOKEN_BLOCK=mx_token_block,
@@ -249,7 +252,7 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     # One expert's tiles after another (the grid's first axis varies fastest): the tiles
     # running together then share their expert's operands in L2.
     grid = (triton.cdiv(b_cols, tiles.wgrad_n), triton.cdiv(a_cols, tiles.wgrad_m), shape.local_experts)
-    wgrad_kernel[grid](
+    launch(wgrad_kernel, grid,
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
         M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,
         BLOCK_M=tiles.wgrad_m, BLOCK_N=tiles.wgrad_n, BLOCK_K=tiles.wgrad_k, MX_DOT=mx_dot(fmt, tiles.mx_upcast),
@@ -267,6 +270,7 @@ def fused_backward(
     w2: torch.Tensor,
     w3: torch.Tensor,
     preact: torch.Tensor | None,
+    routing: torch.Tensor,
     buffers: ForwardBuffers,
     grad: GradBuffers,
     score_before_experts: bool,
@@ -276,10 +280,15 @@ def fused_backward(
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
     forward's saved pre-activations of the receive layout's first rows (``preact_shape``),
-    or None to recompute GEMM1 (for the rows past them too)."""
+    or None to recompute GEMM1 (for the rows past them too). ``routing``: the forward's
+    (``forward.sort_rows``)."""
     shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
+    expected = routing_numel(shape, num_tokens, top_k)
+    if routing.dtype != torch.int32 or routing.shape != (expected,):
+        raise ValueError(f"the forward's routing is {routing.dtype} of shape {tuple(routing.shape)}; expected "
+                         f"int32 of shape ({expected},) for {num_tokens} tokens x top-{top_k} (sort_rows)")
     rows = buffers.recv.shape[0]
     saved_rows = 0 if preact is None else preact.shape[0]
     if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows
@@ -299,7 +308,8 @@ def fused_backward(
                                   else (buffers.recv, buffers.recv_scales))
     inputs = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
     resident = not quantize_on_read and buffers.resident == inputs
-    order, send_start, _ = route(topk_idx, buffers, timeout_s, needs_input=not resident)
+    layout(topk_idx, routing, buffers, timeout_s, needs_input=not resident)
+    order, send_start = split_routing(routing, num_tokens * top_k)
 
     block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if preact is None
                        else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
@@ -343,7 +353,7 @@ def fused_backward(
         sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
     score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     first_kernel = functools.partial(
-        dispatch_grad_gemm1_kernel[(num_programs,)],
+        launch, dispatch_grad_gemm1_kernel, (num_programs,),
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
         buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
@@ -373,7 +383,7 @@ def fused_backward(
         # tile column), after the first launch has dispatched every row.
         first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True, NEXT_TILE=RECOMPUTE_NEXT_TILE.value,
                      COMM_PROGRAMS=0, EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
-    rows_gemm_combine_kernel[(num_programs,)](
+    launch(rows_gemm_combine_kernel, (num_programs,),
         dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, w3_stored, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
         buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,

@@ -18,6 +18,7 @@ from titan_megamoe.kernels import sync
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
 from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.layout import layout_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
@@ -118,7 +119,9 @@ class ForwardBuffers:
         self.local_rows = ints(shape.local_experts)
         self.src_offset = ints(shape.ep * shape.local_experts)
         self.src_rows = ints(shape.ep * shape.local_experts)
-        self.expert_edges = torch.arange(num_experts + 1, dtype=torch.int32, device=device)
+        # Sort keys in the narrowest type that holds -1 .. E (``sort_rows``).
+        key_dtype = torch.int16 if num_experts < 2**15 else torch.int32
+        self.expert_edges = torch.arange(num_experts + 1, dtype=key_dtype, device=device)
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.timeout_s = 0.0
         """The deadline of the last call (for the failure message)."""
@@ -251,25 +254,49 @@ def inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts: bool) -> tuple
     )
 
 
-def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, timeout_s: float, needs_input: bool = True):
-    """Sort this rank's rows by expert and run the layout kernel (a new epoch; its count
-    exchange is also the call's start barrier, see ``sync``). ``needs_input``: whether
-    the peers must send this rank its expert inputs (published as NEEDS_INPUT).
+def routing_numel(shape: ForwardShape, num_tokens: int, top_k: int) -> int:
+    """Elements of a call's routing (``sort_rows``)."""
+    return num_tokens * top_k + shape.ep * shape.local_experts + 1
 
-    Returns the rows' send order (flat slot ids), each expert's first position in it, and
-    the rows received per local expert (int64)."""
-    shape, flags = buffers.shape, buffers.flag_layout
-    # Sorted as int32 (half the radix passes of int64), clamped first so that no bad id
-    # can wrap into the valid range: ids below 0 sort as -1, ids from E on as E.
+
+def sort_rows(topk_idx: torch.Tensor, buffers: ForwardBuffers) -> torch.Tensor:
+    """The call's routing, int32 ``[order | send_start]``: the rows' send order (flat slot
+    ids, sorted by expert, stable) and each expert's first position in it. The forward
+    returns it for its backward, which routes the same rows without sorting them again."""
+    shape = buffers.shape
     flat = topk_idx.reshape(-1)
-    keys = flat.clamp(-1, shape.ep * shape.local_experts).to(torch.int32)
+    n = flat.numel()
+    # Clamped first so that no bad id can wrap into the valid range (ids below 0 sort as
+    # -1, ids from E on as E), then sorted in the narrowest type that holds them
+    # (``expert_edges``): each byte of key is a radix pass.
+    experts = shape.ep * shape.local_experts
+    keys = flat.clamp(-1, experts).to(buffers.expert_edges.dtype)
     sorted_experts, order = torch.sort(keys, stable=True)
-    send_start = torch.searchsorted(sorted_experts, buffers.expert_edges, out_int32=True)
+    routing = torch.empty(routing_numel(shape, *topk_idx.shape), dtype=torch.int32, device=topk_idx.device)
+    routing[:n].copy_(order)
+    torch.searchsorted(sorted_experts, buffers.expert_edges, out_int32=True, out=routing[n:])
+    return routing
+
+
+def split_routing(routing: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, send_start)`` views of a routing (``sort_rows``) of ``num_rows`` rows."""
+    return routing[:num_rows], routing[num_rows:]
+
+
+def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffers, timeout_s: float,
+           needs_input: bool = True) -> torch.Tensor:
+    """Run the layout kernel on a call's routing (``sort_rows``): a new epoch, whose count
+    exchange is also the call's start barrier (``sync``). ``needs_input``: whether the
+    peers must send this rank its expert inputs (published as NEEDS_INPUT). Returns the
+    rows received per local expert (int64)."""
+    shape, flags = buffers.shape, buffers.flag_layout
+    flat = topk_idx.reshape(-1)
+    order, send_start = split_routing(routing, flat.numel())
     tokens_per_expert = torch.empty(shape.local_experts, dtype=torch.int64, device=topk_idx.device)
     buffers.calls += 1
     buffers.timeout_s = timeout_s
-    layout_kernel[(1,)](
-        sorted_experts, order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
+    launch(layout_kernel, (1,),
+        order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
         buffers.dest_start, buffers.item_start, buffers.local_base, buffers.local_rows,
         buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
         shape.local_experts, int(needs_input), int(timeout_s * 1e9),
@@ -277,7 +304,7 @@ def route(topk_idx: torch.Tensor, buffers: ForwardBuffers, timeout_s: float, nee
         EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
         num_warps=4,
     )
-    return order.to(torch.int32), send_start, tokens_per_expert
+    return tokens_per_expert
 
 
 def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float) -> tuple[int, int]:
@@ -304,8 +331,9 @@ def fused_forward(
     num_programs: int,
     timeout_s: float,
     preact: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y [T, H]`` and the rows received per local expert (int64), see ``reference``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``y [T, H]``, the rows received per local expert (int64), see ``reference``, and
+    the call's routing (``sort_rows``), which its backward takes.
 
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
@@ -317,7 +345,9 @@ def fused_forward(
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "forward")
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
-    order, send_start, tokens_per_expert = route(topk_idx, buffers, timeout_s)
+    routing = sort_rows(topk_idx, buffers)
+    tokens_per_expert = layout(topk_idx, routing, buffers, timeout_s)
+    order, send_start = split_routing(routing, topk_idx.numel())
     buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
 
     fmt = buffers.row_format
@@ -328,7 +358,7 @@ def fused_forward(
         (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt, in_bf16)
         if not score_before_experts:
             sent, sent_scales = quantize_rows(x, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
-    dispatch_gemm1_kernel[(num_programs,)](
+    launch(dispatch_gemm1_kernel, (num_programs,),
         sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
         buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.src_offset,
@@ -345,7 +375,7 @@ def fused_forward(
         ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k,
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
-    rows_gemm_combine_kernel[(num_programs,)](
+    launch(rows_gemm_combine_kernel, (num_programs,),
         buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
         buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
         buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
@@ -361,7 +391,7 @@ def fused_forward(
     reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
            scale_by_score=not score_before_experts, score_dot=False)
     after_launches(buffers)
-    return y, tokens_per_expert
+    return y, tokens_per_expert, routing
 
 
 REDUCE_MIN_TOKENS = 8
@@ -386,7 +416,7 @@ def reduce(buffers: ForwardBuffers, topk_w, x, out, dot_out, num_tokens: int, to
     shape, tiles = buffers.shape, buffers.tiles
     block_t = reduce_tokens(tiles.reduce_tokens, num_tokens, num_programs)
     blocks = max(1, triton.cdiv(num_tokens, block_t))
-    combine_reduce_kernel[(min(blocks, num_programs),)](
+    launch(combine_reduce_kernel, (min(blocks, num_programs),),
         buffers.combine, topk_w, x, out, dot_out, buffers.flags, buffers.flag_ptrs, buffers.state,
         num_tokens, shape.rank, shape.ep,
         HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=pad(top_k), SCALE_BY_SCORE=scale_by_score,

@@ -1,9 +1,9 @@
 """Routing layout: where every routed row goes, computed on the device, no host sync.
 
-Input: this rank's expert ids (``ids``, ``num_rows`` of them), sorted with ids outside
-``[0, E)`` clamped to -1 or E (``sorted_experts``, and the sort's ``order``),
-``send_start[e]`` .. ``send_start[e+1]``, its rows for expert ``e`` (``searchsorted`` of
-the sorted ids), and whether this rank needs its expert inputs sent. An id outside
+Input: this rank's expert ids (``ids``, ``num_rows`` of them), the order that sorts them
+with ids outside ``[0, E)`` clamped to -1 or E (``order``), ``send_start[e]`` ..
+``send_start[e+1]``, its rows for expert ``e`` in that order, and whether this rank needs
+its expert inputs sent (``forward.sort_rows`` computes the first two once per forward). An id outside
 ``[0, E)`` leaves rows outside ``send_start[0] .. send_start[E]``: the kernel then fails
 the call on every rank (``sync``), naming the id, before publishing anything. Otherwise it exchanges the
 counts with every peer (see ``sync``), so each rank holds the full matrix
@@ -47,7 +47,6 @@ from titan_megamoe.kernels.sync import (
 
 @triton.jit
 def layout_kernel(
-    sorted_experts,
     order,
     ids,
     num_rows,

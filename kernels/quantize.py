@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -194,7 +195,7 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool,
     scales = None if dequantize else torch.empty(rows, triton.cdiv(cols, scale_k), dtype=torch.float32,
                                                  device=t.device)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(cols, COLS_PER_PROGRAM))
-    quantize_rows_kernel[grid](
+    launch(quantize_rows_kernel, grid,
         t, q, scales, rows,
         COLS=cols, SCALE_K=scale_k, POWER_OF_TWO=power_of_two,
         BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, DEQUANTIZE=dequantize, num_warps=4,
@@ -251,7 +252,7 @@ def quantize_weights(weights: list[torch.Tensor], fmt: Format,
             continue
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(experts, triton.cdiv(n, bn), triton.cdiv(k, bk), dtype=torch.float32, device=w.device)
-        quantize_weight_blocks_kernel[scales.shape](
+        launch(quantize_weight_blocks_kernel, scales.shape,
             w, q, scales, 0, N=n, K=k, OUT_COLS=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two,
             TRANSPOSE=False, num_warps=8,
         )

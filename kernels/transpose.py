@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.quantize import quantize_weight_blocks_kernel, quantize_weights, round_rows
 from titan_megamoe.precision import Format
 
@@ -51,7 +52,7 @@ def transposed_side_by_side(weights: list[torch.Tensor], block: int, round_k: in
         w = w.contiguous()
         rows, cols = w.shape[1:]
         grid = (experts, triton.cdiv(rows, block), triton.cdiv(cols, block))
-        transpose_experts_kernel[grid](
+        launch(transpose_experts_kernel, grid,
             w, out, col0, R=rows, C=cols, D=out.shape[2], BLOCK_R=block, BLOCK_C=block, ROUND_K=round_k,
             num_warps=4,
         )
@@ -91,7 +92,7 @@ def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_bloc
         if col0 % bk or (n % bk and w is not weights[-1]):
             raise ValueError(f"weights of {n} rows at column {col0} do not fill whole {bn} x {bk} blocks")
         # The transposed tensor's (bn, bk) block is a (bk, bn) block of the weight.
-        quantize_weight_blocks_kernel[(experts, triton.cdiv(n, bk), triton.cdiv(k, bn))](
+        launch(quantize_weight_blocks_kernel, (experts, triton.cdiv(n, bk), triton.cdiv(k, bn)),
             w, q, scales, col0, N=n, K=k, OUT_COLS=cols, BLOCK_N=bk, BLOCK_K=bn,
             POWER_OF_TWO=fmt.power_of_two, TRANSPOSE=True, num_warps=8,
         )

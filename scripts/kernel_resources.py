@@ -160,9 +160,9 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
     for save in (True, False):
         for score_before in (False, True):
             saved = preact if save else None
-            fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS, PROGRAMS, 10.0,
-                          preact=saved)
-            fused_backward(x, x, idx, scores, w1, w2, w3, saved, buffers, grad, score_before,
+            _, _, routing = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
+                                          PROGRAMS, 10.0, preact=saved)
+            fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, buffers, grad, score_before,
                            COMM_PROGRAMS, PROGRAMS, 10.0)
 
 

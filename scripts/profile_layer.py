@@ -50,9 +50,8 @@ from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import matmul_peak_tflops, memory_at_peak, positive_float  # noqa: E402  (measured as the bench does)
+from bench_layer import SHAPES, matmul_peak_tflops, memory_at_peak, positive_float  # noqa: E402  (measured as the bench does)
 
-SHAPES = {"30B-A3B": (2048, 768, 128, 8), "235B-A22B": (4096, 1536, 128, 8)}
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
 
@@ -140,7 +139,8 @@ def memory_lines(memory: dict) -> list[str]:
 
 
 def inputs(shape: str, tokens: int, rank: int, world: int):
-    hidden, inter, experts, top_k = SHAPES[shape]
+    layer = SHAPES[shape]
+    hidden, inter, experts, top_k = layer.hidden, layer.inter, layer.experts, layer.top_k
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
     scores = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), dim=1)
@@ -277,7 +277,7 @@ def main():
             results[label]["memory"] = memory
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
-        hidden, inter, _, _ = SHAPES[args.shape]
+        hidden, inter = SHAPES[args.shape].hidden, SHAPES[args.shape].inter
         flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")

@@ -5,10 +5,11 @@ Buffers are allocated once per (group, shape, precision, tiles) and reused by ev
 layer and step; the first forward and the first backward of each log their size. With a
 capacity (required when EP > 1) the shape is fixed; a single rank without one sizes its
 buffers for the call's tokens and replaces them when a call brings another count, so
-memory does not grow with every new token count. Per layer, the backward keeps nothing but the
-op's inputs (it re-derives the routing layout on the device), plus, with
+memory does not grow with every new token count. Per layer, the backward keeps the op's
+inputs and the forward's routing (4 bytes per routed row: the backward does not sort the
+rows again; it re-derives the layout from it on the device), plus, with
 ``settings.save_gemm1``, GEMM1's pre-activations of up to ``settings.save_gemm1_load``
-times the mean rows a rank receives (``saved_shape``), which spares it recomputing GEMM1
+times the mean rows a rank receives (``saved_shapes``), which spares it recomputing GEMM1
 for those rows.
 
 What a call needs besides its tensors (the buffers, the program counts, the saved shape)
@@ -34,7 +35,7 @@ import torch
 from titan_megamoe import fused_support, symm
 from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
-from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
+from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape, routing_numel
 from titan_megamoe.precision import Format
 from titan_megamoe.settings import OperatorSettings
 
@@ -227,13 +228,15 @@ def _programs(x: torch.Tensor, group: symm.Group, comm_sms: int) -> tuple[int, i
     return comm_sms or min(DEFAULT_COMM_PROGRAMS, num_programs - 1), num_programs
 
 
-def saved_shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> tuple[int, int]:
-    """Shape of the pre-activations the forward returns for its backward (0 rows when
-    GEMM1 is recomputed instead)."""
+def saved_shapes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings
+                 ) -> tuple[tuple[int, int], tuple[int]]:
+    """Shapes of what the forward returns for its backward: the pre-activations (0 rows
+    when GEMM1 is recomputed instead) and the routing (``kernels.forward.sort_rows``)."""
+    shape = _shape(x, topk_idx, w1, group, settings)
+    routing = (routing_numel(shape, *topk_idx.shape),)
     if not settings.save_gemm1:
-        return 0, 2 * w1.shape[1]
-    tiles = _tiles(x.device, settings.precision.forward)
-    return preact_shape(_shape(x, topk_idx, w1, group, settings), tiles, settings.save_gemm1_load)
+        return (0, 2 * w1.shape[1]), routing
+    return preact_shape(shape, _tiles(x.device, settings.precision.forward), settings.save_gemm1_load), routing
 
 
 def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
@@ -261,18 +264,18 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
         if reason:
             raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
         buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-        plan = CallPlan(buffers, saved_shape(x, topk_idx, w1, group, settings),
+        plan = CallPlan(buffers, saved_shapes(x, topk_idx, w1, group, settings)[0],
                         *_programs(x, group, settings.comm_sms))
         _PLANS[key] = plan
     return plan
 
 
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,
-                settings: OperatorSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, tokens per local expert, saved pre-activations)``."""
+                settings: OperatorSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, tokens per local expert, saved pre-activations, routing)``."""
     plan = _plan(x, topk_idx, w1, group, settings)
     preact = x.new_empty(plan.saved_shape)
-    y, tokens_per_expert = fused_forward(
+    y, tokens_per_expert, routing = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         plan.buffers,
         score_before_experts,
@@ -281,16 +284,17 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
     )
-    return y, tokens_per_expert, preact
+    return y, tokens_per_expert, preact, routing
 
 
-def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, group: symm.Group,
-                 score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
-    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` as the forward returned it."""
+def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routing: torch.Tensor,
+                 group: symm.Group, score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` and ``routing`` as the forward returned them."""
     plan = _plan(x, topk_idx, w1, group, settings)
     return fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 else None,
+        routing,
         plan.buffers,
         _grad_buffers(group, plan.buffers, settings),
         score_before_experts,

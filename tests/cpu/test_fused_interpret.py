@@ -68,9 +68,9 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
         def fused_call():
             poison_fused_buffers()
-            y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-            assert preact.shape[0] == (fused.saved_shape(x, idx, w1, None, settings)[0] if save else 0)
-            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
+            y, counts, preact, routing = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+            assert preact.shape[0] == (fused.saved_shapes(x, idx, w1, None, settings)[0][0] if save else 0)
+            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, routing, None, score_before, settings)
             return y, counts, grads, preact.shape[0]
 
         y, counts, grads, saved_rows = fused_call()
@@ -116,9 +116,9 @@ def _check_input_reuse(dtype, tolerance):
     problems = [_problem(37, "random", seed=1, dtype=dtype), _problem(20, "skewed", seed=2, dtype=dtype)]
     dys = [torch.randn(p[0].shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, p in enumerate(problems)]
     poison_fused_buffers()
-    saved = [fused.moe_forward(*p, None, False, settings)[2] for p in problems]
-    for p, dy, preact in zip(problems, dys, saved):
-        grads = fused.moe_backward(dy, *p, preact, None, False, settings)
+    saved = [fused.moe_forward(*p, None, False, settings)[2:] for p in problems]
+    for p, dy, (preact, routing) in zip(problems, dys, saved):
+        grads = fused.moe_backward(dy, *p, preact, routing, None, False, settings)
         f32 = [t.float() for t in (p[0], *p[3:])]
         expected = reference.moe_backward(dy.float(), f32[0], p[1], p[2], *f32[1:], None, False,
                                           get_precision("bf16"))
@@ -126,9 +126,9 @@ def _check_input_reuse(dtype, tolerance):
             assert reference.relative_error(got, want) < tolerance, ("interleaved", name)
 
     p, dy = problems[0], dys[0]
-    preact = fused.moe_forward(*p, None, False, settings)[2]
+    preact, routing = fused.moe_forward(*p, None, False, settings)[2:]
     poison_fused_buffers()
-    grads = fused.moe_backward(dy, *p, preact, None, False, settings)
+    grads = fused.moe_backward(dy, *p, preact, routing, None, False, settings)
     assert not torch.isfinite(grads[2]).all(), "the inputs were sent again"
 
 
@@ -381,8 +381,8 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
         w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
         dy = torch.randn(num_tokens, hidden, generator=g)
         poison_fused_buffers()
-        y, counts, preact = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-        grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, None, score_before, settings)
+        y, counts, preact, routing = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+        grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, routing, None, score_before, settings)
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
         case = (precision, tile_changes, num_tokens, routing, score_before, save)

@@ -35,7 +35,7 @@ def test_settings_reach_the_backend_unchanged(compiled, monkeypatch):
             return getattr(reference.op, kind)(*args)
         return call
 
-    op = ops.OpImpl(*(recording(kind) for kind in ("forward", "backward", "saved_shape")))
+    op = ops.OpImpl(*(recording(kind) for kind in ("forward", "backward", "saved_shapes")))
     monkeypatch.setitem(ops.BACKENDS, "reference", dataclasses.replace(reference, op=op))
 
     x, idx, w = make_problem(11, "random", seed=0)
@@ -49,9 +49,9 @@ def test_settings_reach_the_backend_unchanged(compiled, monkeypatch):
     w1.requires_grad_(True)
     fn(x, w1).square().sum().backward()
     kinds = [kind for kind, _ in seen]
-    assert [k for k in kinds if k != "saved_shape"] == ["forward", "backward"]
-    # Tracing runs the fake implementation, which asks for the saved shape.
-    assert ("saved_shape" in kinds) == compiled
+    assert [k for k in kinds if k != "saved_shapes"] == ["forward", "backward"]
+    # Tracing runs the fake implementation, which asks for the saved shapes.
+    assert ("saved_shapes" in kinds) == compiled
     assert all(settings == SETTINGS for _, settings in seen)
     assert x.grad is not None and w1.grad is not None
 

@@ -66,7 +66,7 @@ def _stopped_call(rank, world, spoil, expected):
         problem = spoil(rank, problem)
         outcome = "returned a result"
         try:
-            y, _, _ = fused.moe_forward(*problem, group, False, settings)
+            y = fused.moe_forward(*problem, group, False, settings)[0]
             y.sum().item()
         except RuntimeError as error:
             outcome = f"raised: {str(error)[:120]}"
@@ -131,13 +131,13 @@ def _orderings(rank, world):
         f32 = [t.float() for t in (p[0], *p[3:])]
         expected.append(reference.moe_backward(dy.float(), f32[0], p[1], p[2], *f32[1:], group, False, bf16))
     for order in ((0, 1), (1, 0)):
-        saved = [fused.moe_forward(*p, group, False, settings)[2] for p in problems]
+        saved = [fused.moe_forward(*p, group, False, settings)[2:] for p in problems]
         for i in order:
             if i == 1 and rank == 0:
                 problems[1][0].mul_(1.0)
                 for buffers in fused._BUFFERS.values():
                     buffers.recv.fill_(float("nan"))
-            grads = fused.moe_backward(dys[i], *problems[i], saved[i], group, False, settings)
+            grads = fused.moe_backward(dys[i], *problems[i], *saved[i], group, False, settings)
             for name, got, want in zip(("dx", "d_topk_w", "dw1", "dw2", "dw3"), grads, expected[i]):
                 err = relative_error(got, want)
                 print(f"rank {rank} order {order} B{i + 1} {name}: {err:.1e}", flush=True)

@@ -1,0 +1,79 @@
+"""Kernel launches at a few microseconds of host time each.
+
+``kernel[grid](*args, **kwargs)`` binds every argument, specializes it, looks the kernel
+up, re-checks every global the kernel reads and builds launch metadata, each call: 50-120
+us per launch of these kernels (40-90 arguments), measured on an H200 host, and at small
+token counts most of what the operator costs (perf log v26). ``launch`` takes that path
+once per specialization and then launches the compiled kernel directly.
+
+The key of a specialization holds everything Triton specializes a compiled kernel on, or
+more (a finer key only costs an extra lookup through Triton's own path): every constexpr
+argument's value and the launch options by value; for the other arguments, a tensor's
+dtype and whether its address is 16-byte aligned; an integer's being 1, a multiple of 16,
+and its width (32-bit signed, 64-bit signed, unsigned); a bool, a float or None by type.
+Globals the kernels read are module-level constants, so the per-launch check of them is
+left out. Under the interpreter every launch takes Triton's path (it compiles nothing).
+"""
+
+import inspect
+
+import torch
+from triton.runtime import driver
+
+from titan_megamoe.kernels.configs import INTERPRET
+
+_SIGNATURES: dict = {}
+"""Per kernel: its parameter names, which are constexpr, and their defaults."""
+
+_COMPILED: dict = {}
+"""Compiled kernels by specialization key."""
+
+_INT32 = range(-(2**31), 2**31)
+
+
+def _runtime_key(value):
+    """What Triton specializes a non-constexpr argument on (or more)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return type(value)
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, value in _INT32, value >= 2**63
+    raise TypeError(f"launch: an argument of type {type(value).__name__} ({value!r}); the kernels take "
+                    "tensors, integers, floats, bools and None")
+
+
+def _current_device() -> int:
+    return driver.active.get_current_device()
+
+
+def _signature(kernel):
+    signature = _SIGNATURES.get(kernel)
+    if signature is None:
+        parameters = inspect.signature(kernel.fn).parameters
+        names = tuple(parameters)
+        constexpr = tuple(p.is_constexpr for p in kernel.params)
+        defaults = {n: p.default for n, p in parameters.items() if p.default is not inspect.Parameter.empty}
+        signature = _SIGNATURES[kernel] = (names, frozenset(names), constexpr, defaults)
+    return signature
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``: the first launch of each specialization through
+    Triton (which compiles it if it must), the later ones straight to the compiled kernel."""
+    if INTERPRET:
+        kernel[grid](*args, **kwargs)
+        return
+    names, name_set, constexpr, defaults = _signature(kernel)
+    values = [*args, *(kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):])]
+    options = tuple((k, v) for k, v in kwargs.items() if k not in name_set)
+    # Plain tensors (most of the arguments) keyed inline, as ``_runtime_key`` keys them: a
+    # function call per argument costs as much as the key.
+    key = (kernel, _current_device(), options, *[
+        v if c else (v.dtype, v.data_ptr() % 16 == 0) if type(v) is torch.Tensor else _runtime_key(v)
+        for v, c in zip(values, constexpr)])
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **kwargs)
+        return
+    compiled[(*grid, 1, 1)[:3]](*values)

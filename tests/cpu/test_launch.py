@@ -1,0 +1,103 @@
+"""``kernels.launch``: a launch goes through Triton once per specialization, then straight to
+the compiled kernel with every argument in signature order. (Under the interpreter every
+launch goes through Triton, so these tests stand in for GPU launches with a recording
+kernel; the GPU tests run the real ones.)"""
+
+import inspect
+
+import pytest
+import torch
+
+from titan_megamoe.kernels import launch as launching
+
+
+def _kernel():
+    """A fake JIT function of signature ``(x, n, flag, y, BLOCK: constexpr, MODE: constexpr = 3)``."""
+
+    def fn(x, n, flag, y, BLOCK: "tl.constexpr", MODE: "tl.constexpr" = 3):  # noqa: F821
+        pass
+
+    class Param:
+        def __init__(self, p):
+            self.is_constexpr = "constexpr" in str(p.annotation)
+
+    class Compiled:
+        def __init__(self, seen):
+            self.seen = seen
+
+        def __getitem__(self, grid):
+            return lambda *args: self.seen.append(("compiled", grid, args))
+
+    class Kernel:
+        def __init__(self):
+            self.fn = fn
+            self.params = [Param(p) for p in inspect.signature(fn).parameters.values()]
+            self.seen = []
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                self.seen.append(("jit", grid, args, kwargs))
+                return Compiled(self.seen)
+            return run
+
+    return Kernel()
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    monkeypatch.setattr(launching, "INTERPRET", False)
+    monkeypatch.setattr(launching, "_COMPILED", {})
+    monkeypatch.setattr(launching, "_current_device", lambda: 0)
+
+
+def test_later_launches_go_straight_to_the_compiled_kernel_with_every_argument(on_gpu):
+    kernel = _kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+    launching.launch(kernel, (4,), x, 32, True, y, BLOCK=16, num_warps=4)
+    launching.launch(kernel, (5, 2), y, 48, False, x, BLOCK=16, num_warps=4)
+    assert [s[0] for s in kernel.seen] == ["jit", "compiled"]
+    # Constexprs and defaults included, the grid padded to three dimensions.
+    assert kernel.seen[1][1:] == ((5, 2, 1), (y, 48, False, x, 16, 3))
+
+
+@pytest.mark.parametrize("change", [
+    "constexpr", "option", "dtype", "alignment", "one", "multiple_of_16", "int64", "bool_to_int",
+])
+def test_what_triton_specializes_on_takes_triton_s_path_again(on_gpu, change):
+    kernel = _kernel()
+    x = torch.zeros(64, dtype=torch.uint8)
+    base = dict(args=[x, 32, True, None], kwargs=dict(BLOCK=16, num_warps=4))
+    changed = dict(args=list(base["args"]), kwargs=dict(base["kwargs"]))
+    if change == "constexpr":
+        changed["kwargs"]["BLOCK"] = 32
+    elif change == "option":
+        changed["kwargs"]["num_warps"] = 8
+    elif change == "dtype":
+        changed["args"][0] = x.view(torch.int8)
+    elif change == "alignment":
+        changed["args"][0] = x[1:]
+    elif change == "one":
+        changed["args"][1] = 1
+    elif change == "multiple_of_16":
+        changed["args"][1] = 33
+    elif change == "int64":
+        changed["args"][1] = 2**32
+    elif change == "bool_to_int":
+        changed["args"][2] = 2
+    launching.launch(kernel, (1,), *base["args"], **base["kwargs"])
+    launching.launch(kernel, (1,), *changed["args"], **changed["kwargs"])
+    launching.launch(kernel, (1,), *changed["args"], **changed["kwargs"])
+    assert [s[0] for s in kernel.seen] == ["jit", "jit", "compiled"], change
+
+
+def test_an_argument_of_another_type_is_refused_by_name(on_gpu):
+    with pytest.raises(TypeError, match="an argument of type list"):
+        launching.launch(_kernel(), (1,), torch.zeros(4), [1], True, None, BLOCK=16)
+
+
+def test_the_interpreter_takes_triton_s_path_every_time(monkeypatch):
+    monkeypatch.setattr(launching, "INTERPRET", True)
+    kernel = _kernel()
+    for _ in range(2):
+        launching.launch(kernel, (1,), torch.zeros(4), 32, True, None, BLOCK=16)
+    assert [s[0] for s in kernel.seen] == ["jit", "jit"]
