@@ -12,9 +12,9 @@ rows again; it re-derives the layout from it on the device), plus, with
 times the mean rows a rank receives (``saved_shapes``), which spares it recomputing GEMM1
 for those rows.
 
-What a call needs besides its tensors (the buffers, the program counts, the saved shape)
-is resolved at the first call of its kind and looked up after (``CallPlan``): at small
-token counts the layer is bound by the host's time per call.
+What a call needs besides its tensors (the buffers, the program counts, the saved
+pre-activations' shape) is resolved at the first call of its kind and looked up after
+(``CallPlan``): at small token counts the layer is bound by the host's time per call.
 
 A failure on the device (a peer past the deadline, a bad expert id: ``kernels.sync``)
 stops every rank's kernels; this module prints its message on stderr as soon as it is
@@ -56,7 +56,7 @@ class CallPlan:
     """What every call of one kind (``_plan``) needs beyond its tensors."""
 
     buffers: ForwardBuffers
-    saved_shape: tuple[int, int]
+    preact_shape: tuple[int, int]
     comm_programs: int
     num_programs: int
 
@@ -274,7 +274,7 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
                 settings: OperatorSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, tokens per local expert, saved pre-activations, routing)``."""
     plan = _plan(x, topk_idx, w1, group, settings)
-    preact = x.new_empty(plan.saved_shape)
+    preact = x.new_empty(plan.preact_shape)
     y, tokens_per_expert, routing = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         plan.buffers,
