@@ -14,7 +14,7 @@ One call (all on the current stream, no host synchronisation):
 3. ``rows_gemm_combine_kernel``: ``dab [W1 | W3]`` pushed to the source ranks' combine
    buffers, the score gradients to their ``score_grad``; COMBINE_READY.
 4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
-   blocks (offsets are each expert's block-aligned end, read on the device):
+   alignments (offsets are each expert's aligned end, read on the device):
    ``dW1 = da^T x``, ``dW3 = db^T x``, then (``dab`` freed) ``dW2 = dy^T h_wgrad``. They
    run while the peers may still be pushing this rank's rows.
 5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
@@ -42,7 +42,12 @@ import functools
 import torch
 import triton
 
-from titan_megamoe.kernels.backward_dispatch_gemm1 import dispatch_grad_gemm1_kernel
+from titan_megamoe.kernels.backward_dispatch_gemm1 import (
+    ALL_TILES,
+    PAST_SAVED_TILES,
+    SAVED_TILES,
+    dispatch_grad_gemm1_kernel,
+)
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.forward import (
     TRITON_DTYPES,
@@ -92,9 +97,9 @@ class GradBuffers:
             precision.wgrad.scaled_mma and tiles.mx_wgrad_dequantized) else 0
         """Tokens per MX block of the weight gradients' operands when they are quantized along
         the tokens in the receive layout (``mx_wgrad_dequantized``); 0 otherwise."""
-        if self.mx_wgrad_block and tiles.block_m % self.mx_wgrad_block:
+        if self.mx_wgrad_block and forward.tiles.row_align % self.mx_wgrad_block:
             raise ValueError(f"mx_wgrad_dequantized = 1 quantizes whole {self.mx_wgrad_block}-token blocks "
-                             f"of the receive layout; block_m = {tiles.block_m} is not a multiple")
+                             f"of the receive layout; its row_align = {forward.tiles.row_align} is not a multiple")
         self.dy_link = tiles.operand_format(self.dy_link)
         self.tiles = tiles
         self.grad_format = tiles.operand_format(precision.dgrad)
@@ -212,7 +217,7 @@ def _token_block_starts(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format)
 
 DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 128
 """Rows and columns of a ``dequantized_rows_kernel`` program (rows capped at the receive
-layout's block)."""
+layout's alignment)."""
 
 
 def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tensor | None,
@@ -226,12 +231,12 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
         return rows
     shape = buffers.shape
     out = torch.empty(rows.shape, dtype=shape.dtype, device=rows.device)
-    block_r = mx_token_block or min(DEQUANTIZE_ROWS, buffers.tiles.block_m)
+    block_r = mx_token_block or min(DEQUANTIZE_ROWS, buffers.tiles.row_align)
     grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
     launch(dequantized_rows_kernel, grid,
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
         COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0, LOCAL_PAD=pad(shape.local_experts),
-        BLOCK_M=buffers.tiles.block_m, BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, MX_TOKEN_BLOCK=mx_token_block,
+        ROW_ALIGN=buffers.tiles.row_align, BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, MX_TOKEN_BLOCK=mx_token_block,
         num_warps=4,
     )
     return out
@@ -279,7 +284,7 @@ def fused_backward(
     timeout_s: float,
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
-    forward's saved pre-activations of the receive layout's first rows (``preact_shape``),
+    forward's saved pre-activations of the receive buffer's first rows (``preact_shape``),
     or None to recompute GEMM1 (for the rows past them too). ``routing``: the forward's
     (``forward.sort_rows``)."""
     shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
@@ -291,11 +296,10 @@ def fused_backward(
                          f"int32 of shape ({expected},) for {num_tokens} tokens x top-{top_k} (sort_rows)")
     rows = buffers.recv.shape[0]
     saved_rows = 0 if preact is None else preact.shape[0]
-    if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows
-                               or saved_rows % tiles.block_m):
+    if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows):
         raise ValueError(
-            f"saved pre-activations have shape {tuple(preact.shape)}; expected [a multiple of {tiles.block_m} "
-            f"up to {rows}, {2 * shape.inter}] (preact_shape)"
+            f"saved pre-activations have shape {tuple(preact.shape)}; expected [at most {rows}, "
+            f"{2 * shape.inter}] (preact_shape)"
         )
     # Rows past the saved ones (when the routing brings them) recompute GEMM1.
     recompute_past_saved = preact is not None and saved_rows < rows
@@ -358,13 +362,13 @@ def fused_backward(
         buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
         buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
         grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
-        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
-        w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q, dab_scales,
-        score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
+        buffers.block_base, buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales,
+        w2_operand, w2_operand_scales, w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q,
+        dab_scales, score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank, saved_rows,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
         SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
         MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-        TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
+        ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols,
         UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,
         W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
@@ -374,19 +378,20 @@ def fused_backward(
         X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k, W2_AS_STORED=bool(tiles.w2_as_stored),
         num_warps=tiles.grad1_warps,
     )
-    first_kernel(0, saved_rows or rows, RECOMPUTE=preact is None, ROUND_PREACT=False,
+    first_kernel(TILES=(ALL_TILES if preact is None else SAVED_TILES).value,
                  NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,
                  EPILOGUE_PARTS=1 if preact is None else tiles.grad1_saved_parts, num_stages=stages)
     if recompute_past_saved:
-        # The rows past the saved ones, if any arrived: GEMM1 recomputed and rounded as the
-        # forward would have saved it, in tiles as wide (the score-gradient parts are per
-        # tile column), after the first launch has dispatched every row.
-        first_kernel(saved_rows, rows, RECOMPUTE=True, ROUND_PREACT=True, NEXT_TILE=RECOMPUTE_NEXT_TILE.value,
-                     COMM_PROGRAMS=0, EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
+        # The tiles past the saved rows, if any arrived: GEMM1 recomputed and rounded as
+        # the forward would have saved it, in tiles as wide (the score-gradient parts are
+        # per tile column), after the first launch has dispatched every row.
+        first_kernel(TILES=PAST_SAVED_TILES.value, NEXT_TILE=RECOMPUTE_NEXT_TILE.value, COMM_PROGRAMS=0,
+                     EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
     launch(rows_gemm_combine_kernel, (num_programs,),
         dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, w3_stored, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
-        buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
+        buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank,
+        shape.ep,
         shape.local_experts, shape.rows_per_rank,
         N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
         PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
@@ -418,8 +423,8 @@ def fused_backward(
         # dW1 and dW3 first: [da | db] is freed before dW2 is allocated, so that the
         # backward's peak holds the three weight gradients or [da | db], not both.
         mx_block = grad.mx_wgrad_block
-        bm = tiles.block_m
-        ends = torch.cumsum((buffers.local_rows + bm - 1) // bm * bm, 0, dtype=torch.int32)
+        align = buffers.tiles.row_align
+        ends = torch.cumsum((buffers.local_rows + align - 1) // align * align, 0, dtype=torch.int32)
         x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
         dab_rows = _dequantized(buffers, dab, None, 0, mx_block)
         del dab

@@ -9,8 +9,9 @@ program then takes tiles (TILE_M rows x BLOCK_N intermediate columns) from a dev
 counter in arrival order; a tile waits only for the chunks its rows come from, and:
 
 - has the pre-activations ``g = x W1^T``, ``u = x W3^T`` (recomputed, or read from the
-  forward's ``preact`` when it saved them; where it saved only the layout's first rows,
-  a second launch with no dispatching programs recomputes the tiles of the others);
+  forward's ``preact`` when it saved them; where it saved only the receive buffer's first
+  rows, a second launch with no dispatching programs recomputes the tiles that reach past
+  them: ``TILES``);
 - computes ``d = dy W2`` (the gradient reaching ``h`` before the score), from ``w2_operand``:
   W2 transposed per expert to ``[I, H]`` (K-major), or, unquantized, from W2 as stored
   (``W2_AS_STORED``: an N-major B operand);
@@ -24,9 +25,10 @@ Where GEMM1 was saved the SwiGLU backward may run over each half of the tile's c
 turn (``EPILOGUE_PARTS``): the ``dy W2`` accumulator stays whole, but only one half's
 temporaries are live beside it, so 128-column tiles keep to the registers.
 
-Padding rows of an expert's last block are stored as zeros (``dab``, ``h_wgrad``,
-and, for torch's bf16 grouped GEMMs, the received ``x`` and ``dy`` rows), so the
-weight-gradient GEMMs may run over whole blocks whatever the buffers held before.
+An expert's padding rows (up to its next multiple of ``ROW_ALIGN``) are stored as zeros
+(``dab``, ``h_wgrad``, and, for torch's bf16 grouped GEMMs, the received ``x`` and ``dy``
+rows), so the weight-gradient GEMMs may run over whole alignments whatever the buffers
+held before; a tile's rows past those belong to the next expert and are never stored.
 
 Quantized: the ``dy`` rows arrive as e4m3 with their scales, GEMM1 and ``dy W2`` are
 scaled GEMMs (``tile_gemm``), and ``[da | db]`` is stored twice: in the activation dtype
@@ -40,10 +42,17 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_item, gate_up, wait_rows
-from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.layout import saved_tile_rows, tile_rows
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import quantize_tile, round_rows
 from titan_megamoe.kernels.sync import EPOCH, NUM_BLOCKS, NUM_ITEMS
+
+ALL_TILES = tl.constexpr(0)
+"""``TILES``: every tile, GEMM1 recomputed (nothing was saved)."""
+SAVED_TILES = tl.constexpr(1)
+"""``TILES``: the tiles whose rows all lie below ``saved_rows``, GEMM1 read from ``preact``."""
+PAST_SAVED_TILES = tl.constexpr(2)
+"""``TILES``: the others, GEMM1 recomputed and rounded as the forward saved it."""
 
 
 @triton.jit
@@ -51,26 +60,27 @@ def dispatch_grad_gemm1_kernel(
     x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
     recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, state,
-    local_base, local_rows, src_offset, src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
+    local_base, block_base, local_rows, src_offset, src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
     w3, w3_scales,
     preact, h_wgrad, dab, dab_q, dab_scales, score_parts,
-    rank, ep, local_experts, rows_per_rank, first_row, end_row,
+    rank, ep, local_experts, rows_per_rank, saved_rows,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-    SCORE_BEFORE_EXPERTS: tl.constexpr, RECOMPUTE: tl.constexpr, ROUND_PREACT: tl.constexpr,
+    SCORE_BEFORE_EXPERTS: tl.constexpr, TILES: tl.constexpr,
     NEXT_TILE: tl.constexpr, COMM_PROGRAMS: tl.constexpr,
     NEEDS_INPUT: tl.constexpr, CHUNK_READY: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     EP_PAD: tl.constexpr, LOCAL_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROW_ALIGN: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     X_SCALE_K: tl.constexpr, GRAD_SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
     MX_DOT: tl.constexpr, QUANTIZE_ON_READ: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
     ZERO_PADDING: tl.constexpr, X_ROUND_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr,
     W2_AS_STORED: tl.constexpr, EPILOGUE_PARTS: tl.constexpr,
 ):
-    """The tiles of the receive layout's rows ``first_row .. end_row`` (multiples of
-    ``BLOCK_M``), taken from the state counter ``NEXT_TILE``. ``RECOMPUTE``: GEMM1 is
-    recomputed (``ROUND_PREACT``: its results rounded to ``ACT_DTYPE``, as the forward
-    would have saved them), else read from ``preact``.
+    """The tiles ``TILES`` names (``ALL_TILES``, ``SAVED_TILES``: those whose rows all lie
+    below the forward's ``saved_rows`` saved rows, ``PAST_SAVED_TILES``: the others), taken
+    from the state counter ``NEXT_TILE``. GEMM1 is read from ``preact`` for the saved
+    tiles, else recomputed (past the saved ones, rounded to ``ACT_DTYPE`` as the forward
+    would have saved it).
 
     ``X_SCALE_K`` > 0: the expert inputs cross quantized and GEMM1 is scaled (the
     forward format). ``GRAD_SCALE_K`` > 0 (a quantized dgrad format): the ``dy`` rows cross
@@ -80,12 +90,14 @@ def dispatch_grad_gemm1_kernel(
     ``QUANTIZE_ON_READ`` (native weight gradients, which read the rows as they crossed):
     the expert inputs and ``dy`` cross in the activation dtype, and the scaled GEMMs
     quantize them as they read them. ``ZERO_PADDING``: zero the received rows past each
-    expert's end (for weight-gradient GEMMs over whole blocks). ``X_ROUND_K``,
+    expert's end up to its alignment (for weight-gradient GEMMs over whole alignments). ``X_ROUND_K``,
     ``GRAD_ROUND_K`` > 0 (MX held in the activation dtype, the scale widths 0): the expert
     inputs, and the ``dy`` rows, arrive so, and ``[da | db]`` is also stored so for the
     dgrad GEMM, rounded in blocks of ``GRAD_ROUND_K`` columns into ``dab_q``."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
+    RECOMPUTE: tl.constexpr = TILES != SAVED_TILES
+    ROUND_PREACT: tl.constexpr = TILES == PAST_SAVED_TILES
     # What the rows cross the link in: quantized, or the activation dtype.
     LINK_X_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else X_SCALE_K
     LINK_GRAD_SCALE_K: tl.constexpr = 0 if QUANTIZE_ON_READ else GRAD_SCALE_K
@@ -105,15 +117,22 @@ def dispatch_grad_gemm1_kernel(
             )
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    last_row = tl.minimum(tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M, end_row)
-    num_tiles = tl.maximum(last_row - first_row, 0) // TILE_M * n_tiles
+    # The tiles' virtual rows (``layout``): the saved ones are a prefix.
+    first_row = 0
+    last_row = tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M
+    if TILES != ALL_TILES:
+        saved_end = saved_tile_rows(block_base, local_base, local_rows, local_experts, saved_rows,
+                                    TILE_M, BLOCK_M, LOCAL_PAD)
+        if TILES == SAVED_TILES:
+            last_row = saved_end
+        else:
+            first_row = saved_end
+    num_tiles = (last_row - first_row) // TILE_M * n_tiles
     tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
-        row0 = first_row + (tile // n_tiles) * TILE_M
         n_tile = tile % n_tiles
-        le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
-        base = tl.load(local_base + le)
-        end = base + tl.load(local_rows + le)
+        le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                        first_row + (tile // n_tiles) * TILE_M, LOCAL_PAD)
         wait_rows(
             flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
             local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
@@ -122,6 +141,8 @@ def dispatch_grad_gemm1_kernel(
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         n0 = n_tile * BLOCK_N
         live = rows < end
+        # The expert's rows and its padding: every row the tile stores.
+        owned = rows < base + (end - base + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
         if RECOMPUTE:
             g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
                            TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
@@ -131,7 +152,7 @@ def dispatch_grad_gemm1_kernel(
         elif EPILOGUE_PARTS == 1:
             # Loaded before the K loop, which hides their latency (two halves held
             # through it would take the registers that the parts free).
-            g, u = _saved_preact(preact, rows, n0, BLOCK_N, INTER, BLOCK_N)
+            g, u = _saved_preact(preact, rows, live, n0, BLOCK_N, INTER, BLOCK_N)
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
@@ -141,7 +162,7 @@ def dispatch_grad_gemm1_kernel(
         )
         if EPILOGUE_PARTS == 1:
             score_part = _swiglu_backward(
-                d, g, u, n0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                d, g, u, n0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
                 SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
         else:
@@ -152,15 +173,15 @@ def dispatch_grad_gemm1_kernel(
                 g0, g1 = _halves(g)
                 u0, u1 = _halves(u)
             else:
-                g0, u0 = _saved_preact(preact, rows, n0, HALF_N, INTER, BLOCK_N)
+                g0, u0 = _saved_preact(preact, rows, live, n0, HALF_N, INTER, BLOCK_N)
             score_part = _swiglu_backward(
-                d0, g0, u0, n0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                d0, g0, u0, n0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
                 SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
             if not RECOMPUTE:
-                g1, u1 = _saved_preact(preact, rows, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
+                g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
             score_part += _swiglu_backward(
-                d1, g1, u1, n0 + HALF_N, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER,
+                d1, g1, u1, n0 + HALF_N, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER,
                 BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
         tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
@@ -168,10 +189,10 @@ def dispatch_grad_gemm1_kernel(
         if ZERO_PADDING:
             if (n_tile == 0) & (end < row0 + TILE_M):
                 # Zero the received rows past the expert's end: the weight-gradient GEMMs
-                # read whole blocks. Other tiles of this block may still read them; their
-                # results for those rows are masked to zero above, so either value is
-                # harmless.
-                pad = rows >= end
+                # read whole alignments. Other tiles of this expert may still read them;
+                # their results for those rows are masked to zero above, so either value
+                # is harmless.
+                pad = (rows >= end) & owned
                 ks = tl.arange(0, BLOCK_K)
                 zero = tl.zeros((TILE_M, BLOCK_K), dtype=dab.dtype.element_ty)
                 for c0 in range(0, HIDDEN, BLOCK_K):
@@ -192,27 +213,30 @@ def _halves(x):
 
 
 @triton.jit
-def _saved_preact(preact, rows, c0, COLS: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr):
+def _saved_preact(preact, rows, live, c0, COLS: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr):
     """GEMM1's saved results ``g``, ``u`` (fp32) of ``rows`` over the intermediate columns
-    ``c0 .. c0 + COLS`` of a tile ``BLOCK_N`` wide (columns past ``INTER`` read as 0)."""
+    ``c0 .. c0 + COLS`` of a tile ``BLOCK_N`` wide (rows not ``live`` and columns past
+    ``INTER`` read as 0: the rows past a saved tile's expert may lie past ``preact``)."""
     cols = c0 + tl.arange(0, COLS)
     col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
     at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
-    g = tl.load(at, mask=col_ok[None, :], other=0.0).to(tl.float32)
-    u = tl.load(at + INTER, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    mask = live[:, None] & col_ok[None, :]
+    g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(at + INTER, mask=mask, other=0.0).to(tl.float32)
     return g, u
 
 
 @triton.jit
 def _swiglu_backward(
-    d, g, u, c0, rows, live, recv_score, dab, dab_q, dab_scales, h_wgrad,
+    d, g, u, c0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad,
     INTER: tl.constexpr, BLOCK_N: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
     GRAD_SCALE_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
     """The SwiGLU backward of the tile's ``rows`` over the intermediate columns ``c0 ..
     c0 + d.shape[1]`` (a tile ``BLOCK_N`` wide, or a half of one) from ``d = dy W2`` and
     GEMM1's ``g``, ``u``: stores ``[da | db]`` (and its quantized or MX-rounded copy) and
-    ``h_wgrad``; returns each row's ``<h, d>`` over those columns."""
+    ``h_wgrad`` of the ``owned`` rows (zeros past the ``live`` ones); returns each row's
+    ``<h, d>`` over those columns."""
     out_dtype = dab.dtype.element_ty
     PART_N: tl.constexpr = d.shape[1]
     cols = c0 + tl.arange(0, PART_N)
@@ -228,7 +252,7 @@ def _swiglu_backward(
         dh = d * score[:, None]
         h = h * score[:, None]
     keep = live[:, None] & col_ok[None, :]
-    mask = col_ok[None, :]
+    mask = owned[:, None] & col_ok[None, :]
     da = tl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
     db = tl.where(keep, dh * silu, 0.0)
     at = dab + rows[:, None] * (2 * INTER) + cols[None, :]
@@ -241,7 +265,7 @@ def _swiglu_backward(
         kb = c0 // GRAD_SCALE_K + tl.arange(0, PART_N // GRAD_SCALE_K)
         at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
         at_s = dab_scales + rows[:, None] * SCALE_COLS + kb[None, :]
-        s_mask = kb[None, :] < INTER // GRAD_SCALE_K
+        s_mask = owned[:, None] & (kb[None, :] < INTER // GRAD_SCALE_K)
         q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
         tl.store(at_q, q, mask=mask)
         tl.store(at_s, scales, mask=s_mask)

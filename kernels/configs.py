@@ -14,8 +14,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
-    """Rows per GEMM tile; also the alignment of each expert's rows in the receive
-    buffer and the length of a dispatch chunk."""
+    """Rows per GEMM tile block and per dispatch chunk: the tile scheduler hands out each
+    local expert's rows in whole blocks (``layout``)."""
     gemm1_m: int
     """Rows per GEMM1 tile, dividing ``block_m``: a quantized tile keeps a partial product
     beside each accumulator, and fewer rows keep both in registers."""
@@ -87,6 +87,12 @@ class TileConfig:
     """Scaled-MMA formats (mxfp8) only. 1: the mainloop multiplies each e4m3 tile by its
     scales into bf16 itself and runs a bf16 dot (for GPUs without an MX MMA); 0: it hands
     tiles and scales to ``tl.dot_scaled`` (native MX MMA, or Triton's emulation)."""
+    row_align: int = 32
+    """Each local expert's rows start on a multiple of this many rows of the receive
+    buffer (a power of two dividing ``block_m``; its rows padded to it, not to a block:
+    ``layout``). The
+    weight-gradient copies of ``mx_wgrad_dequantized`` take whole token blocks of it.
+    Every row of one architecture must agree (one receive layout)."""
     mx_in_bf16: int = 0
     """Scaled-MMA formats (mxfp8) only. 1: the forward and data-gradient GEMMs take MX
     operands held in bf16 (``Format.in_bf16``: the same values), so they run the bf16
@@ -98,7 +104,7 @@ class TileConfig:
     """MX weight gradients only. 1: their operands are copied in the receive layout,
     quantized along the tokens and dequantized into the activation dtype (the same values:
     power-of-two scales), and torch's grouped GEMM multiplies them (for GPUs without an MX
-    MMA; ``block_m`` must be a multiple of the token block); 0: token-major e4m3 copies
+    MMA; ``row_align`` must be a multiple of the token block); 0: token-major e4m3 copies
     and ``wgrad_kernel``'s scaled mainloop."""
     gemm2_m: int = 128
     """Rows per GEMM2 tile, dividing ``block_m``: half a block in half the warps takes half
@@ -129,6 +135,8 @@ class TileConfig:
             rows = getattr(self, name)
             if rows < 1 or self.block_m % rows:
                 raise ValueError(f"{name} = {rows} must divide block_m = {self.block_m}")
+        if self.row_align < 1 or self.row_align & (self.row_align - 1) or self.block_m % self.row_align:
+            raise ValueError(f"row_align = {self.row_align} must be a power of two dividing block_m = {self.block_m}")
         if self.grad1_saved_parts not in (1, 2):
             raise ValueError(f"grad1_saved_parts = {self.grad1_saved_parts} must be 1 or 2")
         for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
@@ -230,11 +238,12 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
     # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
-    # splits a block).
+    # splits a block). Experts start on multiples of 4 rows: tiles start inside them and
+    # reach into the next expert's rows.
     # dgrad reads W1 and W3 as stored below 10 rows per expert: the fused checks' 37-token
     # calls take the copy, the others read them as stored.
     ("interpret", "native"): TileConfig(
-        block_m=16, w2_as_stored=1, w13_as_stored_rows=10, grad1_saved_parts=2,
+        block_m=16, row_align=4, w2_as_stored=1, w13_as_stored_rows=10, grad1_saved_parts=2,
         gemm1_m=16, gemm1_n=16, gemm1_k=16, gemm1_warps=4, gemm1_stages=1,
         gemm2_m=16, gemm2_n=16, gemm2_k=16, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=16, grad1_saved_n=32, grad1_k=16, grad1_warps=4, grad1_stages=1,
@@ -243,7 +252,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=4, copy_cols=16, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
     ),
     ("interpret", "fp8_block"): TileConfig(
-        block_m=16,
+        block_m=16, row_align=4,
         gemm1_m=8, gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
         gemm2_m=8, gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
@@ -257,7 +266,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # read two scale blocks of the arriving rows per program; transposes of whole scale
     # blocks (weights in bf16 are rounded as they are transposed).
     ("interpret", "mxfp8"): TileConfig(
-        block_m=16,
+        block_m=16, row_align=4,
         gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
         gemm2_m=16, gemm2_n=32, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
         grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=64, grad1_warps=4, grad1_stages=1,

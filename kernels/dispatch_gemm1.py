@@ -19,7 +19,7 @@ interpreter, where programs run one after another in id order.
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.layout import tile_rows
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import quantize_tile, round_rows
 from titan_megamoe.kernels.sync import (
@@ -174,7 +174,7 @@ def wait_rows(
 @triton.jit
 def dispatch_gemm1_kernel(
     x, x_scales, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
-    recv, recv_scales, recv_meta, flags, state, local_base, src_offset, src_rows,
+    recv, recv_scales, recv_meta, flags, state, local_base, block_base, local_rows, src_offset, src_rows,
     w1, w1_scales, w3, w3_scales, h, h_scales, preact, saved_rows,
     rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
@@ -188,8 +188,8 @@ def dispatch_gemm1_kernel(
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
     intermediate columns. ``SAVE_GEMM1``: also store the pre-activations ``[gate | up]``
-    of the layout's first ``saved_rows`` rows (a multiple of ``BLOCK_M``) into ``preact``
-    ``[saved_rows, 2 * INTER]`` for the backward, which recomputes the others.
+    of the receive buffer's first ``saved_rows`` rows into ``preact`` ``[saved_rows, 2 *
+    INTER]`` for the backward, which recomputes the others.
 
     ``SCALE_K`` > 0 (a quantized forward format): the rows cross quantized (see
     ``dispatch_item``), W1 and W3 are e4m3 with one scale per ``W_SCALE_N x SCALE_K``
@@ -213,10 +213,9 @@ def dispatch_gemm1_kernel(
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
     while tile < num_tiles:
-        row0 = (tile // n_tiles) * TILE_M
         n0 = (tile % n_tiles) * BLOCK_N
-        le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
-        base = tl.load(local_base + le)
+        le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                        (tile // n_tiles) * TILE_M, LOCAL_PAD)
         wait_rows(
             flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
             local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
@@ -228,7 +227,8 @@ def dispatch_gemm1_kernel(
         g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
                        TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
         out = g * tl.sigmoid(g) * u
-        mask = col_ok[None, :]
+        live = rows < end
+        mask = live[:, None] & col_ok[None, :]
         if SCALE_K == 0:
             if ROUND_K > 0:
                 tl.static_assert(BLOCK_N % ROUND_K == 0, "a GEMM1 tile must hold whole MX blocks of h")
@@ -240,12 +240,14 @@ def dispatch_gemm1_kernel(
             hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K, POWER_OF_TWO)
             tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
             kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
-            tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs, mask=kb[None, :] < H_SCALE_COLS)
+            tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs,
+                     mask=live[:, None] & (kb[None, :] < H_SCALE_COLS))
         if SAVE_GEMM1:
             if row0 < saved_rows:
                 at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
-                tl.store(at, g.to(preact.dtype.element_ty), mask=mask)
-                tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=mask)
+                saved = mask & (rows < saved_rows)[:, None]
+                tl.store(at, g.to(preact.dtype.element_ty), mask=saved)
+                tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=saved)
         tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
 
 

@@ -58,11 +58,13 @@ class ForwardShape:
     def rows_per_rank(self) -> int:
         return self.capacity_tokens_per_rank * self.top_k
 
-    def receive_rows(self, block_m: int) -> int:
-        """Rows of the receive buffer: every source's every row (any routing fits) plus
-        each expert's alignment padding."""
-        rows = self.ep * self.rows_per_rank + self.local_experts * (block_m - 1)
-        return math.ceil(rows / block_m) * block_m
+    def receive_rows(self, tiles: TileConfig) -> int:
+        """Rows of the receive buffer: every source's every row (any routing fits), each
+        expert's alignment padding (``TileConfig.row_align``), and a tile's rows of slack
+        that the last expert's last tile reads past its rows (``layout``)."""
+        align = tiles.row_align
+        rows = self.ep * self.rows_per_rank + self.local_experts * (align - 1)
+        return math.ceil(rows / align) * align + tiles.block_m
 
 
 class ForwardBuffers:
@@ -86,7 +88,7 @@ class ForwardBuffers:
         scales."""
         scale_k = self.row_format.row_scale_k
         bm = self.tiles.block_m
-        rows = shape.receive_rows(bm)
+        rows = shape.receive_rows(self.tiles)
         self.flag_layout = FlagLayout(
             ep=shape.ep,
             local_experts=shape.local_experts,
@@ -116,6 +118,7 @@ class ForwardBuffers:
         self.dest_start = ints(num_experts)
         self.item_start = ints(num_experts)
         self.local_base = ints(shape.local_experts)
+        self.block_base = ints(shape.local_experts)
         self.local_rows = ints(shape.local_experts)
         self.src_offset = ints(shape.ep * shape.local_experts)
         self.src_rows = ints(shape.ep * shape.local_experts)
@@ -297,12 +300,12 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
     buffers.timeout_s = timeout_s
     launch(layout_kernel, (1,),
         order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
-        buffers.dest_start, buffers.item_start, buffers.local_base, buffers.local_rows,
+        buffers.dest_start, buffers.item_start, buffers.local_base, buffers.block_base, buffers.local_rows,
         buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
         shape.local_experts, int(needs_input), int(timeout_s * 1e9),
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
         EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
-        num_warps=4,
+        ROW_ALIGN=buffers.tiles.row_align, num_warps=4,
     )
     return tokens_per_expert
 
@@ -310,12 +313,12 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
 def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float) -> tuple[int, int]:
     """Shape of the saved pre-activations ``[gate | up]`` of one call: the receive
     layout's first rows, ``load`` times the layout's rows at the mean load (the rows a
-    rank receives on average, plus half a block of alignment padding per local expert),
-    in whole blocks and at most the receive buffer's rows
+    rank receives on average, plus half an alignment's padding per local expert), in
+    whole alignments and at most the receive buffer's rows
     (``OperatorSettings.save_gemm1_load``)."""
-    bm = tiles.block_m
-    rows = math.ceil(load * (shape.rows_per_rank + shape.local_experts * bm // 2) / bm) * bm
-    return min(rows, shape.receive_rows(bm)), 2 * shape.inter
+    align = tiles.row_align
+    rows = math.ceil(load * (shape.rows_per_rank + shape.local_experts * align // 2) / align) * align
+    return min(rows, shape.receive_rows(tiles)), 2 * shape.inter
 
 
 def fused_forward(
@@ -361,8 +364,8 @@ def fused_forward(
     launch(dispatch_gemm1_kernel, (num_programs,),
         sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
         buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
-        buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.src_offset,
-        buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
+        buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.block_base,
+        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
         buffers.h if preact is None else preact, 0 if preact is None else preact.shape[0],
         shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
         HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
@@ -378,7 +381,7 @@ def fused_forward(
     launch(rows_gemm_combine_kernel, (num_programs,),
         buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
         buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
-        buffers.state, buffers.local_base, buffers.local_rows, shape.rank, shape.ep,
+        buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank, shape.ep,
         shape.local_experts, shape.rows_per_rank,
         N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,

@@ -21,7 +21,7 @@ result does not depend on arrival order, bit for bit. With ``SCORE_DOT`` it also
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.layout import expert_of_row
+from titan_megamoe.kernels.layout import tile_rows
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.sync import (
     COMBINE_READY_TIMEOUT,
@@ -45,7 +45,7 @@ def _peer_offset(ptrs, source, rank, live, ELEM_BYTES: tl.constexpr, ALIGN: tl.c
 @triton.jit
 def rows_gemm_combine_kernel(
     a, a_scales, w, w_scales, w_rest, recv_meta, combine, combine_ptrs, score_parts, score_grad,
-    score_grad_ptrs, flags, flag_ptrs, state, local_base, local_rows,
+    score_grad_ptrs, flags, flag_ptrs, state, local_base, block_base, local_rows,
     rank, ep, local_experts, rows_per_rank,
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -56,8 +56,8 @@ def rows_gemm_combine_kernel(
     e4m3, scaled as ``tile_gemm`` describes. ``W_AS_STORED``: ``w`` and ``w_rest`` are
     ``[local experts, K / 2, N]``, the columns ``0 .. K / 2`` of ``a`` multiplying ``w``, the
     others ``w_rest`` (unscaled; ``w_rest`` unused otherwise). Tiles are ``TILE_M`` rows
-    (dividing the receive layout's ``BLOCK_M``, so a tile never spans two experts) by
-    ``BLOCK_N``. ``OVERLAP``: flatten the tile loop into the K loop (below)."""
+    (dividing the receive layout's ``BLOCK_M``, so a tile never spans two experts:
+    ``layout``) by ``BLOCK_N``. ``OVERLAP``: flatten the tile loop into the K loop (below)."""
     tl.static_assert(BLOCK_M % TILE_M == 0, "TILE_M must divide BLOCK_M")
     K_SPLIT: tl.constexpr = K // 2 if W_AS_STORED else 0
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
@@ -68,10 +68,9 @@ def rows_gemm_combine_kernel(
     # K loops into one pipeline: the next tile's loads overlap this tile's epilogue, at
     # the cost of registers.
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=OVERLAP):
-        row0 = (tile // n_tiles) * TILE_M
         n0 = (tile % n_tiles) * BLOCK_N
-        le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
-        end = tl.load(local_base + le) + tl.load(local_rows + le)
+        le, _, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                     (tile // n_tiles) * TILE_M, LOCAL_PAD)
 
         rows = row0 + tl.arange(0, TILE_M)
         # The hints restate what the flattened loop hides: an N-major B tile is built from
@@ -100,10 +99,10 @@ def rows_gemm_combine_kernel(
         # compiler's loop fusion.
         parts = tl.arange(0, PARTS_PAD)
         for block in range(tl.program_id(0), tl.load(state + NUM_BLOCKS).to(tl.int32), tl.num_programs(0)):
-            row0 = block * BLOCK_M
-            le = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
+            _, _, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                        block * BLOCK_M, LOCAL_PAD)
             rows = row0 + tl.arange(0, BLOCK_M)
-            live = rows < tl.load(local_base + le) + tl.load(local_rows + le)
+            live = rows < end
             ds = tl.sum(
                 tl.load(
                     score_parts + rows[:, None].to(tl.int64) * SCORE_PARTS + parts[None, :],

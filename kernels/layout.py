@@ -10,19 +10,27 @@ counts with every peer (see ``sync``), so each rank holds the full matrix
 ``COUNTS[source, expert]`` and derives the same receive layout for every owner:
 
 - the owner's receive buffer is expert-major; each local expert's rows start on a
-  ``BLOCK_M`` boundary (``local_base``) so a GEMM tile never spans two experts;
+  multiple of ``ROW_ALIGN`` rows (``local_base``), padded to it, not to a whole tile;
 - inside one expert, rows are ordered by source rank, and inside one source in the
   source's sorted order (token, then slot).
+
+Tiles are scheduled in a second, virtual row space (``block_base``) where each local
+expert's rows are padded to whole ``BLOCK_M`` blocks, so that a tile index names one
+expert and a tile never spans two: ``tile_rows`` maps a virtual tile to its expert and to
+its first row in the receive buffer. A tile that ends past its expert's last row reads the
+next expert's rows (or the buffer's slack past the last expert) and masks them out of
+every store; only the padding up to ``ROW_ALIGN`` belongs to the expert.
 
 Outputs (int32 unless noted):
     dest_start[e]     first row of my rows for expert e in its owner's receive buffer
     item_start[o]     first dispatch item of expert e in dispatch order o = le * ep + r
                       (e = r * E_local + le): every owner gets its expert 0 first
     local_base[le]    first row of my local expert le in my receive buffer
+    block_base[le]    first virtual row of le's tiles (a multiple of BLOCK_M)
     local_rows[le]    rows I receive for le; also written as int64 to tokens_per_expert
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
-    state[NUM_BLOCKS], state[NUM_ITEMS], state[TIMEOUT_NS]; resets the tile counters of
+    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the tile counters of
     this call
 """
 
@@ -57,6 +65,7 @@ def layout_kernel(
     dest_start,
     item_start,
     local_base,
+    block_base,
     local_rows,
     src_offset,
     src_rows,
@@ -72,6 +81,7 @@ def layout_kernel(
     EP_PAD: tl.constexpr,
     LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     epoch = tl.load(state + EPOCH) + 1
     tl.store(state + EPOCH, epoch)
@@ -118,8 +128,10 @@ def layout_kernel(
         flags + COUNTS + s3 * num_experts + r3 * local_experts + le3, mask=valid3, other=0, volatile=True
     )
     rows = tl.sum(counts, axis=0)  # [r, le]
+    aligned = (rows + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    base = tl.cumsum(aligned, axis=1) - aligned
     padded = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    base = tl.cumsum(padded, axis=1) - padded
+    virtual_base = tl.cumsum(padded, axis=1) - padded
     offset = tl.cumsum(counts, axis=0) - counts  # [s, r, le]
     my_offset = tl.sum(tl.where(s3 == rank, offset, 0), axis=0)
     tl.store(dest_start + e, base + my_offset, mask=valid)
@@ -137,6 +149,7 @@ def layout_kernel(
     owner = r == rank
     my_rows = tl.sum(tl.where(owner, rows, 0), axis=0)
     tl.store(local_base + lane, tl.sum(tl.where(owner, base, 0), axis=0), mask=mine)
+    tl.store(block_base + lane, tl.sum(tl.where(owner, virtual_base, 0), axis=0), mask=mine)
     tl.store(local_rows + lane, my_rows, mask=mine)
     tl.store(tokens_per_expert + lane, my_rows.to(tl.int64), mask=mine)
     tl.store(state + NUM_BLOCKS, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M)
@@ -148,8 +161,40 @@ def layout_kernel(
 
 
 @triton.jit
+def tile_rows(block_base, local_base, local_rows, local_experts, virtual_row, LOCAL_PAD: tl.constexpr):
+    """``(le, base, end, row0)`` of the tile that starts at ``virtual_row`` (in its
+    expert's ``BLOCK_M`` blocks): its local expert, the expert's first row and the end of
+    its rows in the receive buffer, and the tile's first row there."""
+    lane = tl.arange(0, LOCAL_PAD)
+    starts = tl.load(block_base + lane, mask=lane < local_experts, other=2147483647)
+    # The last expert starting at or before the row: experts without rows start where the
+    # next one does.
+    le = tl.sum((starts <= virtual_row).to(tl.int32)) - 1
+    base = tl.load(local_base + le)
+    return le, base, base + tl.load(local_rows + le), base + virtual_row - tl.load(block_base + le)
+
+
+@triton.jit
 def expert_of_row(local_base, local_experts, row, LOCAL_PAD: tl.constexpr):
-    """The local expert whose (block-aligned) rows contain ``row``."""
+    """The local expert whose (aligned) rows of the receive buffer contain ``row``."""
     lane = tl.arange(0, LOCAL_PAD)
     base = tl.load(local_base + lane, mask=lane < local_experts, other=2147483647)
     return tl.sum((base <= row).to(tl.int32)) - 1
+
+
+@triton.jit
+def saved_tile_rows(block_base, local_base, local_rows, local_experts, saved_rows,
+                    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, LOCAL_PAD: tl.constexpr):
+    """The virtual rows (``tile_rows``) of the ``TILE_M``-row tiles whose rows all lie
+    below row ``saved_rows`` of the receive buffer: every tile of the experts that end by
+    then, the tiles of the next expert wholly below it, and none after (a prefix of the
+    virtual rows, since experts follow one another in both spaces)."""
+    lane = tl.arange(0, LOCAL_PAD)
+    mine = lane < local_experts
+    base = tl.load(local_base + lane, mask=mine, other=0)
+    count = tl.load(local_rows + lane, mask=mine, other=0)
+    whole = base + count <= saved_rows
+    span = tl.where(whole, (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
+                    tl.maximum(saved_rows - base, 0) // TILE_M * TILE_M)
+    ends = tl.load(block_base + lane, mask=mine, other=0) + span
+    return tl.max(tl.where(mine & (span > 0), ends, 0))

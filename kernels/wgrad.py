@@ -55,7 +55,7 @@ def _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE: tl.constexpr, COLS: tl.
 @triton.jit
 def dequantized_rows_kernel(
     t, t_scales, out, num_rows, local_base, local_rows, local_experts,
-    COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    COLS: tl.constexpr, SCALE_K: tl.constexpr, LOCAL_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MX_TOKEN_BLOCK: tl.constexpr,
 ):
     """Received rows ``t [num_rows, COLS]`` (e4m3 times their scales, one per ``SCALE_K``
@@ -63,17 +63,17 @@ def dequantized_rows_kernel(
     ``MX_TOKEN_BLOCK`` > 0 (it must equal ``BLOCK_R``): each column of each token block
     (its expert's rows counted from the expert's first) is also quantized along the
     tokens as one MX block and dequantized again, the operands of MX weight gradients in
-    values a bf16 grouped GEMM multiplies exactly. Padding rows of an expert's last
-    ``BLOCK_M`` block are written as 0: a grouped GEMM over whole blocks then reads zeros
-    there, whatever the buffers held. Rows past the last expert's blocks are never read
-    and left as they are (the buffer holds every routing's rows; a call fills a fraction).
-    Program ``(r, c)``: ``BLOCK_R`` rows (dividing ``BLOCK_M``, so they belong to one
-    expert) by ``BLOCK_C`` columns."""
+    values a bf16 grouped GEMM multiplies exactly. An expert's padding rows (up to its
+    next multiple of ``ROW_ALIGN``) are written as 0: a grouped GEMM over whole alignments
+    then reads zeros there, whatever the buffers held. Rows past the last expert's are
+    never read and left as they are (the buffer holds every routing's rows; a call fills
+    a fraction). Program ``(r, c)``: ``BLOCK_R`` rows (dividing ``ROW_ALIGN``, so they
+    belong to one expert) by ``BLOCK_C`` columns."""
     row0 = tl.program_id(0) * BLOCK_R
     col0 = tl.program_id(1) * BLOCK_C
     expert = expert_of_row(local_base, local_experts, row0, LOCAL_PAD)
     base, count = tl.load(local_base + expert), tl.load(local_rows + expert)
-    if row0 < base + tl.cdiv(count, BLOCK_M) * BLOCK_M:
+    if row0 < base + tl.cdiv(count, ROW_ALIGN) * ROW_ALIGN:
         rows = row0 + tl.arange(0, BLOCK_R)
         live = rows < tl.minimum(base + count, num_rows)
         v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)

@@ -126,7 +126,7 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
         f"{buffers.local_bytes / 2**30:.2f} GiB local; saving GEMM1's pre-activations would keep "
         f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer ({rows} of "
-        f"{shape.receive_rows(tiles.block_m)} receive rows: save_gemm1_load {settings.save_gemm1_load})"
+        f"{shape.receive_rows(tiles)} receive rows: save_gemm1_load {settings.save_gemm1_load})"
     )
     _BUFFERS[key] = buffers
     _start_reporting()

@@ -42,8 +42,8 @@ class OperatorSettings:
     rounds them to that dtype, so that both backends compute the same gradients."""
     save_gemm1_load: float = DEFAULT_SAVE_GEMM1_LOAD
     """Fused, with ``save_gemm1``: the saved pre-activations hold the rows a rank receives
-    up to this multiple of the mean (``capacity_tokens_per_rank`` x top-k rows, plus half a
-    block of alignment padding per local expert), at most every row any routing can bring
+    up to this multiple of the mean (``capacity_tokens_per_rank`` x top-k rows, plus half an
+    alignment's padding per local expert), at most every row any routing can bring
     (about EP x the mean); the backward recomputes GEMM1 for the rows past them. Sizes
     what each layer keeps."""
     timeout_s: float = DEFAULT_TIMEOUT_S

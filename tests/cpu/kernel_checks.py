@@ -339,10 +339,10 @@ def _assert_dequantized(got: torch.Tensor, want: torch.Tensor, case) -> None:
 
 def check_dequantized_rows(device, seed: int) -> None:
     """``dequantized_rows_kernel`` on a receive layout of three local experts (5 rows, none,
-    20; blocks of 16) in a buffer of 64 rows, programs of 8 rows: each expert's rows equal
+    20; aligned to 16 rows) in a buffer of 64 rows, programs of 8 rows: each expert's rows equal
     ``reference.dequantize_blocks`` of the e4m3 rows rounded to the output dtype (the
     interpreter rounds to bf16 by truncation: within a bf16 step there), its padding rows
-    up to the block's end are 0 although their bytes and scales are NaN, and the rows past
+    up to the alignment are 0 although their bytes and scales are NaN, and the rows past
     the last block are left as they were. Both row formats, a partial last scale block;
     then, with ``MX_TOKEN_BLOCK`` 8, the same rows and unquantized ones, each column
     quantized along the tokens in MX blocks of 8 of its expert's rows and dequantized, as
@@ -383,7 +383,7 @@ def check_dequantized_rows(device, seed: int) -> None:
             dequantized_rows_kernel[(num_rows // 8, triton.cdiv(cols, 128))](
                 t.to(device), None if scales is None else scales.to(device), out, num_rows,
                 local_base.to(device), local_rows.to(device), 3,
-                COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, BLOCK_M=block, BLOCK_R=8, BLOCK_C=128,
+                COLS=cols, SCALE_K=scale_k, LOCAL_PAD=4, ROW_ALIGN=block, BLOCK_R=8, BLOCK_C=128,
                 MX_TOKEN_BLOCK=mx_token_block,
             )
             got = out.cpu()

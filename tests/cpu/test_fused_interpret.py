@@ -75,8 +75,8 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
         y, counts, grads, saved_rows = fused_call()
         if load < 1:  # the routing's layout reaches past the saved rows
-            bm = tile_config("interpret", "native").block_m
-            assert 0 < saved_rows < sum(-(-int(c) // bm) * bm for c in counts), case
+            align = tile_config("interpret", "native").row_align
+            assert 0 < saved_rows < sum(-(-int(c) // align) * align for c in counts), case
         # The fp32 reference on the same (rounded) inputs.
         f32 = [t.float() for t in (x, w1, w2, w3)]
         y_ref, counts_ref = reference.moe_forward(f32[0], idx, w, *f32[1:], None, score_before, bf16)
@@ -99,10 +99,14 @@ def _check_against_reference(rank, world, dtype, tolerance):
     assert fused.symmetric_bytes("bf16", capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == held
     assert fused.symmetric_bytes("bf16", capacity_tokens_per_rank=CAPACITY + 1) == 0
     assert fused.symmetric_bytes("fp8", capacity_tokens_per_rank=CAPACITY, hidden=HIDDEN) == 0
-    bm = buffers.tiles.block_m
-    base, rows = buffers.local_base.tolist(), buffers.local_rows.tolist()
-    assert all(b % bm == 0 for b in base)
-    assert all(b1 - b0 == -(-r // bm) * bm for b0, b1, r in zip(base, base[1:], rows))
+    # The last call's layout: each expert's rows start on a multiple of row_align (its
+    # padding below it), its tiles on a multiple of block_m of the virtual rows.
+    bm, align = buffers.tiles.block_m, buffers.tiles.row_align
+    assert align < bm
+    rows = buffers.local_rows.tolist()
+    for starts, step in ((buffers.local_base.tolist(), align), (buffers.block_base.tolist(), bm)):
+        assert starts[0] == 0 and all(b % step == 0 for b in starts), (starts, step)
+        assert all(b1 - b0 == -(-r // step) * step for b0, b1, r in zip(starts, starts[1:], rows)), (starts, rows)
 
 
 def _check_input_reuse(dtype, tolerance):
@@ -399,14 +403,15 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 # mxfp8_wgrad_bf16 with its weights dequantized to bf16 (only the rows scaled in the MMA);
 # mxfp8 with e4m3 weights: between them, every mxfp8 kernel in both weight forms; mxfp8
 # with both operands upcast in the mainloop instead of handed to the scaled dot, its weight
-# gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows);
+# gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows,
+# experts 32-row aligned);
 # and both MX precisions with every operand held in bf16 (the rows mxfp8_wgrad_bf16 resends
 # unrounded rounded as the GEMMs read them).
 @pytest.mark.parametrize("precision, tile_changes",
                          [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
                           ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
-                          ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32}),
-                          ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32}),
+                          ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),
+                          ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),
                           ("mxfp8_wgrad_bf16", {"mx_in_bf16": 1})])
 def test_quantized_matches_reference(precision, tile_changes, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -111,7 +111,8 @@ def test_tile_rows_meet_the_kernels_constraints():
         for field in ("gemm1_m", "grad1_m", "gemm2_m", "dgrad_m"):
             assert tiles.block_m % getattr(tiles, field) == 0, (row, field)
         # Precisions whose passes use two rows of one architecture read one receive layout.
-        assert all(tiles.block_m == other.block_m for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
+        assert all((tiles.block_m, tiles.row_align) == (other.block_m, other.row_align)
+                   for (a, _), other in configs.TILE_CONFIGS.items() if a == arch), row
         fmt = FORMATS[fmt_name]
         # Weights handed over dequantized feed a scaled MMA's bf16 B operand only; only MX
         # values are exact in bf16.
@@ -121,7 +122,7 @@ def test_tile_rows_meet_the_kernels_constraints():
         assert not (tiles.w2_as_stored or tiles.w13_as_stored_rows) or not fmt.quantized, row
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
-            fmt.scaled_mma and tiles.block_m % fmt.activation_block[1] == 0), row
+            fmt.scaled_mma and tiles.row_align % fmt.activation_block[1] == 0), row
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]
