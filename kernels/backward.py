@@ -135,8 +135,9 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
     transposed weights (those the GEMMs do not read as stored: ``w2_as_stored``,
     ``w13_as_stored_rows``), in e4m3 where the backward is quantized, with the e4m3 copies
-    of ``dab`` and ``dy``; then, quantized, a pair of token-major copies for quantized
-    weight gradients. A quantized forward adds ``h`` for the weight gradients and GEMM1's
+    of ``dab`` and ``dy``; then, quantized, up to three token-major copies for quantized
+    weight gradients (an upper bound: ``dab`` and ``h`` are freed once copied). A quantized
+    forward adds ``h`` for the weight gradients and GEMM1's
     e4m3 weights."""
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
@@ -167,7 +168,7 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
         dequantized = rows * hidden * shape.dtype.itemsize if grad.dy_link.quantized else 0
         return total + int(max(through_dgrad, dequantized))
     kt = _token_major_length(shape, tiles, grad.wgrad_format)
-    token_major = kt * max(hidden + inter, 2 * inter + hidden)
+    token_major = kt * (3 * inter + hidden)
     return total + int(max(through_dgrad, (shape.capacity_tokens_per_rank * hidden + token_major) * scaled))
 
 
@@ -185,11 +186,13 @@ def _token_major_length(shape, tiles: TileConfig, fmt: Format) -> int:
     return span * (triton.cdiv(shape.ep * shape.rows_per_rank, span) + shape.local_experts)
 
 
-def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, kt: int,
-                 t, t_scales, stride: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``cols`` columns of the rows ``t`` (rows of ``stride``; e4m3 in ``fmt``'s
-    row blocks when ``t_scales`` is given) as ``token_major_kernel`` lays them out:
-    ``([cols, kt] e4m3, [cols, kt / token block] scales)``."""
+def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor,
+                 t, t_scales, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``cols`` columns of the rows ``t`` (e4m3 in ``fmt``'s row blocks when
+    ``t_scales`` is given) as ``token_major_kernel`` lays them out: ``([cols, kt] e4m3,
+    [cols, kt / token block] scales)``, ``kt`` = ``_token_major_length``. ``block_start``:
+    ``_token_block_starts``."""
+    kt = _token_major_length(buffers.shape, tiles, fmt)
     token_block = fmt.activation_block[1]
     out = torch.empty(cols, kt, dtype=torch.float8_e4m3fn, device=t.device)
     scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
@@ -197,7 +200,7 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
     grid = (kt // token_block, triton.cdiv(cols, tiles.token_major_cols))
     launch(token_major_kernel, grid,
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
-        STRIDE=stride, COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
+        STRIDE=t.shape[1], COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=tiles.token_major_cols,
         LOCAL_PAD=pad(shape.local_experts), num_warps=tiles.token_major_warps,
     )
@@ -242,18 +245,17 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
     return out
 
 
-def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor, a,
-                     a_scales, a_cols: int, b, b_scales, b_cols: int, outs: tuple[torch.Tensor, ...]) -> None:
+def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor,
+                     a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                     outs: tuple[torch.Tensor, ...]) -> None:
     """``A_e^T B_e`` over each local expert's rows, both operands quantized along the
     rows in ``fmt`` (``kernels.wgrad``), into ``outs``: one ``[experts, a_cols, b_cols]``, or
-    two that split the ``a_cols`` rows in halves. ``a``, ``b``: rows whose first
-    ``a_cols`` / ``b_cols`` columns are read; an operand with scales holds e4m3 rows in
-    ``fmt``'s row blocks. ``block_start``: ``_token_block_starts``."""
+    two that split the ``a_cols`` rows in halves. ``a``, ``b``: the operands' token-major
+    copies (``_token_major``, ``a_cols`` and ``b_cols`` columns), made with ``block_start``."""
     shape = buffers.shape
     token_block = fmt.activation_block[1]
-    kt = _token_major_length(shape, tiles, fmt)
-    at, at_scales = _token_major(buffers, tiles, fmt, block_start, kt, a, a_scales, a.shape[1], a_cols)
-    bt, bt_scales = _token_major(buffers, tiles, fmt, block_start, kt, b, b_scales, b.shape[1], b_cols)
+    (at, at_scales), (bt, bt_scales) = a, b
+    (a_cols, kt), b_cols = at.shape, bt.shape[0]
     # One expert's tiles after another (the grid's first axis varies fastest): the tiles
     # running together then share their expert's operands in L2.
     grid = (triton.cdiv(b_cols, tiles.wgrad_n), triton.cdiv(a_cols, tiles.wgrad_m), shape.local_experts)
@@ -408,13 +410,19 @@ def fused_backward(
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:
         dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
-        # One after the other, so that the first pair of token-major copies (and the
-        # quantized forward's h copy) is freed before the second is made.
+        # Each operand freed as soon as its token-major copy exists, the narrowest first:
+        # h's copy, then [da | db] (dW1 and dW3 first), so that neither is held beside
+        # the other or beside more than two copies (docs/perf.md v28).
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
+        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts)
         wgrad = functools.partial(_quantized_wgrad, buffers, tiles, wgrad_fmt, starts)
-        wgrad(grad.recv_grad, grad.recv_grad_scales, shape.hidden, h_wgrad, None, shape.inter, (dw2,))
+        h_major = token_major(h_wgrad, None, shape.inter)
         del h_wgrad
-        wgrad(dab, None, 2 * shape.inter, recv_rows, recv_row_scales, shape.hidden, (dw1, dw3))
+        dab_major = token_major(dab, None, 2 * shape.inter)
+        del dab
+        wgrad(dab_major, token_major(recv_rows, recv_row_scales, shape.hidden), (dw1, dw3))
+        del dab_major
+        wgrad(token_major(grad.recv_grad, grad.recv_grad_scales, shape.hidden), h_major, (dw2,))
     else:
         # torch's grouped GEMM on the rows in the activation dtype, a pair of operands at a
         # time: dequantized where they crossed quantized (``fp8_wgrad_bf16``), and for MX
