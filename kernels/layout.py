@@ -30,8 +30,8 @@ Outputs (int32 unless noted):
     local_rows[le]    rows I receive for le; also written as int64 to tokens_per_expert
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
-    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the tile counters of
-    this call
+    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the
+    tile counters of this call
 """
 
 import triton
