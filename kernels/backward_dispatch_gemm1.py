@@ -90,8 +90,8 @@ def dispatch_grad_gemm1_kernel(
     ``QUANTIZE_ON_READ`` (native weight gradients, which read the rows as they crossed):
     the expert inputs and ``dy`` cross in the activation dtype, and the scaled GEMMs
     quantize them as they read them. ``ZERO_PADDING``: zero the received rows past each
-    expert's end up to its alignment (for weight-gradient GEMMs over whole alignments). ``X_ROUND_K``,
-    ``GRAD_ROUND_K`` > 0 (MX held in the activation dtype, the scale widths 0): the expert
+    expert's end up to its alignment (for weight-gradient GEMMs over whole alignments).
+    ``X_ROUND_K``, ``GRAD_ROUND_K`` > 0 (MX held in the activation dtype, the scale widths 0): the expert
     inputs, and the ``dy`` rows, arrive so, and ``[da | db]`` is also stored so for the
     dgrad GEMM, rounded in blocks of ``GRAD_ROUND_K`` columns into ``dab_q``."""
     pid = tl.program_id(0)

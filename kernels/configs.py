@@ -90,9 +90,8 @@ class TileConfig:
     row_align: int = 32
     """Each local expert's rows start on a multiple of this many rows of the receive
     buffer (a power of two dividing ``block_m``; its rows padded to it, not to a block:
-    ``layout``). The
-    weight-gradient copies of ``mx_wgrad_dequantized`` take whole token blocks of it.
-    Every row of one architecture must agree (one receive layout)."""
+    ``layout``). The weight-gradient copies of ``mx_wgrad_dequantized`` take whole token
+    blocks of it. Every row of one architecture must agree (one receive layout)."""
     mx_in_bf16: int = 0
     """Scaled-MMA formats (mxfp8) only. 1: the forward and data-gradient GEMMs take MX
     operands held in bf16 (``Format.in_bf16``: the same values), so they run the bf16

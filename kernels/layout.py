@@ -161,25 +161,23 @@ def layout_kernel(
 
 
 @triton.jit
+def expert_of_row(base, local_experts, row, LOCAL_PAD: tl.constexpr):
+    """The local expert whose rows, in the space ``base`` (the receive buffer's
+    ``local_base`` or the tiles' ``block_base``), contain ``row``: the last one starting at
+    or before it (an expert without rows starts where the next one does)."""
+    lane = tl.arange(0, LOCAL_PAD)
+    starts = tl.load(base + lane, mask=lane < local_experts, other=2147483647)
+    return tl.sum((starts <= row).to(tl.int32)) - 1
+
+
+@triton.jit
 def tile_rows(block_base, local_base, local_rows, local_experts, virtual_row, LOCAL_PAD: tl.constexpr):
     """``(le, base, end, row0)`` of the tile that starts at ``virtual_row`` (in its
     expert's ``BLOCK_M`` blocks): its local expert, the expert's first row and the end of
     its rows in the receive buffer, and the tile's first row there."""
-    lane = tl.arange(0, LOCAL_PAD)
-    starts = tl.load(block_base + lane, mask=lane < local_experts, other=2147483647)
-    # The last expert starting at or before the row: experts without rows start where the
-    # next one does.
-    le = tl.sum((starts <= virtual_row).to(tl.int32)) - 1
+    le = expert_of_row(block_base, local_experts, virtual_row, LOCAL_PAD)
     base = tl.load(local_base + le)
     return le, base, base + tl.load(local_rows + le), base + virtual_row - tl.load(block_base + le)
-
-
-@triton.jit
-def expert_of_row(local_base, local_experts, row, LOCAL_PAD: tl.constexpr):
-    """The local expert whose (aligned) rows of the receive buffer contain ``row``."""
-    lane = tl.arange(0, LOCAL_PAD)
-    base = tl.load(local_base + lane, mask=lane < local_experts, other=2147483647)
-    return tl.sum((base <= row).to(tl.int32)) - 1
 
 
 @triton.jit
