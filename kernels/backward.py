@@ -399,7 +399,7 @@ def fused_backward(
         BLOCK_M=tiles.block_m, TILE_M=tiles.dgrad_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
         UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
         MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        OVERLAP=bool(tiles.dgrad_overlap), W_AS_STORED=w3_stored is not None, num_warps=tiles.dgrad_warps,
+        W_AS_STORED=w3_stored is not None, num_warps=tiles.dgrad_warps,
         num_stages=tiles.dgrad_stages,
     )
     # The weight gradients read neither: their memory goes to what those allocate (the

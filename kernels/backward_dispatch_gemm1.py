@@ -153,6 +153,8 @@ def dispatch_grad_gemm1_kernel(
             # Loaded before the K loop, which hides their latency (two halves held
             # through it would take the registers that the parts free).
             g, u = _saved_preact(preact, rows, live, n0, BLOCK_N, INTER, BLOCK_N)
+        # The scores too: one value per row, its latency hidden by the K loop.
+        score = None if SCORE_BEFORE_EXPERTS else tl.load(recv_score + rows, mask=live, other=0.0)
 
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
@@ -162,7 +164,7 @@ def dispatch_grad_gemm1_kernel(
         )
         if EPILOGUE_PARTS == 1:
             score_part = _swiglu_backward(
-                d, g, u, n0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                d, g, u, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
                 SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
         else:
@@ -175,13 +177,13 @@ def dispatch_grad_gemm1_kernel(
             else:
                 g0, u0 = _saved_preact(preact, rows, live, n0, HALF_N, INTER, BLOCK_N)
             score_part = _swiglu_backward(
-                d0, g0, u0, n0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                d0, g0, u0, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
                 SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
             if not RECOMPUTE:
                 g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
             score_part += _swiglu_backward(
-                d1, g1, u1, n0 + HALF_N, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad, INTER,
+                d1, g1, u1, n0 + HALF_N, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER,
                 BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
             )
         tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
@@ -228,15 +230,16 @@ def _saved_preact(preact, rows, live, c0, COLS: tl.constexpr, INTER: tl.constexp
 
 @triton.jit
 def _swiglu_backward(
-    d, g, u, c0, rows, live, owned, recv_score, dab, dab_q, dab_scales, h_wgrad,
+    d, g, u, c0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad,
     INTER: tl.constexpr, BLOCK_N: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
     GRAD_SCALE_K: tl.constexpr, GRAD_ROUND_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
     """The SwiGLU backward of the tile's ``rows`` over the intermediate columns ``c0 ..
     c0 + d.shape[1]`` (a tile ``BLOCK_N`` wide, or a half of one) from ``d = dy W2`` and
-    GEMM1's ``g``, ``u``: stores ``[da | db]`` (and its quantized or MX-rounded copy) and
-    ``h_wgrad`` of the ``owned`` rows (zeros past the ``live`` ones); returns each row's
-    ``<h, d>`` over those columns."""
+    GEMM1's ``g``, ``u`` and the rows' scores (None where they scaled the expert input):
+    stores ``[da | db]`` (and its quantized or MX-rounded copy) and ``h_wgrad`` of the
+    ``owned`` rows (zeros past the ``live`` ones); returns each row's ``<h, d>`` over those
+    columns."""
     out_dtype = dab.dtype.element_ty
     PART_N: tl.constexpr = d.shape[1]
     cols = c0 + tl.arange(0, PART_N)
@@ -248,7 +251,6 @@ def _swiglu_backward(
     if SCORE_BEFORE_EXPERTS:
         dh = d
     else:
-        score = tl.load(recv_score + rows, mask=live, other=0.0)
         dh = d * score[:, None]
         h = h * score[:, None]
     keep = live[:, None] & col_ok[None, :]

@@ -73,11 +73,6 @@ class TileConfig:
     divide the row scale block of an operand that arrives quantized, or hold whole ones."""
     token_major_warps: int = 4
     """Warps of a token-major copy program."""
-    gemm2_overlap: int = 1
-    """1: GEMM2's tile loop is flattened into its K loop, so the next tile's loads overlap
-    this tile's epilogue (more registers); 0: tiles one after another."""
-    dgrad_overlap: int = 1
-    """The same for the dgrad GEMM."""
     mx_dequantized_weights: int = 0
     """Scaled-MMA formats (mxfp8) only. 1: the weights are quantized and dequantized to
     bf16 once per call, and the GEMMs scale only their A operand (``tl.dot_scaled`` with a
@@ -138,7 +133,7 @@ class TileConfig:
             raise ValueError(f"row_align = {self.row_align} must be a power of two dividing block_m = {self.block_m}")
         if self.grad1_saved_parts not in (1, 2):
             raise ValueError(f"grad1_saved_parts = {self.grad1_saved_parts} must be 1 or 2")
-        for name in ("gemm2_overlap", "dgrad_overlap", "mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
+        for name in ("mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
                      "mx_wgrad_dequantized", "w2_as_stored"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
@@ -170,6 +165,9 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # combine stores 16 bytes wide again the N-major operand costs the GEMM nothing
     # measurable, and the transposes it spares took 0.46 ms (30B-A3B) and 1.82 ms
     # (235B-A22B) per call at 16k tokens (v24; v23's 1.5x slower GEMM was those stores).
+    # GEMM2 and dgrad take their tiles one after another: with the rows' destinations
+    # loaded before the mainloop, a tile loop flattened into the K loop spilled (3.8x
+    # slower); unflattened it is 5% faster than the flattened loop was without them (v29).
     ("sm90", "native"): TileConfig(
         block_m=128, w2_as_stored=1, w13_as_stored_rows=EVERY_CALL, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
@@ -185,8 +183,9 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # are 128 columns wide; GEMM1 128 rows tall in 3 stages (small spills, 9% faster than
     # 64 rows), the backward's first kernel 64 (128 rows are 35% slower). GEMM2 and dgrad
     # 128x128 as in the plain blockwise-fp8 grouped GEMM measured at 613-835 TFLOP/s
-    # (docs/perf.md, v9), without the flattened tile loop (with it, the second accumulator
-    # spills: 3.8x slower). The backward's first kernel runs 2 stages where it recomputes
+    # (docs/perf.md, v9); 64x128 tiles of 4 warps, two programs per SM (one's stores
+    # beside the other's MMAs) were 7% faster at 30B-A3B and 7% slower at 235B-A22B
+    # (v29). The backward's first kernel runs 2 stages where it recomputes
     # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
     # where GEMM1 was saved. Token-major copies 64 columns wide: a 128x64 fp32 tile in 128
     # threads keeps more programs per SM than 128x128 (34% faster). Weight gradients in
@@ -197,10 +196,10 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ("sm90", "fp8_block"): TileConfig(
         block_m=128,
         gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,
-        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4, gemm2_overlap=0,
+        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
         grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
         grad1_saved_stages=4,
-        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4, dgrad_overlap=0,
+        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_cols=64,
     ),

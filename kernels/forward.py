@@ -387,7 +387,7 @@ def fused_forward(
         COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
         TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
         SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        OVERLAP=bool(tiles.gemm2_overlap), W_AS_STORED=False,
+        W_AS_STORED=False,
         num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
     )
     y = torch.empty_like(x)

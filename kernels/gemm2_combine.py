@@ -50,53 +50,46 @@ def rows_gemm_combine_kernel(
     N: tl.constexpr, K: tl.constexpr, SCORE_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr,
     LOCAL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr,
-    MX_DOT: tl.constexpr, OVERLAP: tl.constexpr, W_AS_STORED: tl.constexpr,
+    MX_DOT: tl.constexpr, W_AS_STORED: tl.constexpr,
 ):
     """``a``: ``[rows, K]``; ``w``: ``[local experts, N, K]``; with ``SCALE_K`` > 0 both
     e4m3, scaled as ``tile_gemm`` describes. ``W_AS_STORED``: ``w`` and ``w_rest`` are
     ``[local experts, K / 2, N]``, the columns ``0 .. K / 2`` of ``a`` multiplying ``w``, the
     others ``w_rest`` (unscaled; ``w_rest`` unused otherwise). Tiles are ``TILE_M`` rows
     (dividing the receive layout's ``BLOCK_M``, so a tile never spans two experts:
-    ``layout``) by ``BLOCK_N``. ``OVERLAP``: flatten the tile loop into the K loop (below)."""
+    ``layout``) by ``BLOCK_N``, in a static stride over the programs."""
     tl.static_assert(BLOCK_M % TILE_M == 0, "TILE_M must divide BLOCK_M")
     K_SPLIT: tl.constexpr = K // 2 if W_AS_STORED else 0
     n_tiles: tl.constexpr = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
     out_dtype = combine.dtype.element_ty
     elem: tl.constexpr = out_dtype.primitive_bitwidth // 8
-    # A static stride (not a shared tile counter) lets the compiler flatten the tile and
-    # K loops into one pipeline: the next tile's loads overlap this tile's epilogue, at
-    # the cost of registers.
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=OVERLAP):
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         n0 = (tile % n_tiles) * BLOCK_N
         le, _, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
                                      (tile // n_tiles) * TILE_M, LOCAL_PAD)
 
         rows = row0 + tl.arange(0, TILE_M)
-        # The hints restate what the flattened loop hides: an N-major B tile is built from
-        # these columns too, and the loop carries that value, whose alignment the compiler
-        # then no longer knows (the stores fell to 2 bytes each, docs/perf.md v24).
+        # The hints restate the columns' alignment: an N-major B tile is built from these
+        # columns too, and where the compiler carried that value into the stores it lost
+        # it (they fell to 2 bytes each, docs/perf.md v24).
         cols = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
+        # Where each row goes, loaded before the mainloop, whose MMAs hide the latency of
+        # these two dependent loads (the row's origin, then its source's buffer); after
+        # it they held up every tile's stores (docs/perf.md v29).
+        live = rows < end
+        origin = tl.load(recv_meta + rows, mask=live, other=0)
+        offset = _peer_offset(combine_ptrs, origin // rows_per_rank, rank, live, elem, 16 // elem)
+        dest = offset + (origin % rows_per_rank).to(tl.int64) * N
         acc = tile_gemm(
             a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K, N, K,
             TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT, W_AS_STORED, K_SPLIT,
         )
-
-        live = rows < end
-        origin = tl.load(recv_meta + rows, mask=live, other=0)
-        source = origin // rows_per_rank
-        slot_row = (origin % rows_per_rank).to(tl.int64)
-        offset = _peer_offset(combine_ptrs, source, rank, live, elem, 16 // elem)
-        tl.store(
-            combine + (offset + slot_row * N)[:, None] + cols[None, :],
-            acc.to(out_dtype),
-            mask=live[:, None] & col_ok[None, :],
-        )
+        tl.store(combine + dest[:, None] + cols[None, :], acc.to(out_dtype), mask=live[:, None] & col_ok[None, :])
 
     if SCORE_PARTS > 0:
-        # A loop of its own: inside the flattened tile loop this branch breaks the
-        # compiler's loop fusion.
+        # A loop of its own, over whole blocks: every column tile's parts are summed.
         parts = tl.arange(0, PARTS_PAD)
         for block in range(tl.program_id(0), tl.load(state + NUM_BLOCKS).to(tl.int32), tl.num_programs(0)):
             _, _, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
