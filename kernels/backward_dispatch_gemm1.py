@@ -138,6 +138,8 @@ def dispatch_grad_gemm1_kernel(
             local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
         )
 
+        # The next tile, claimed now: the mainloop hides the atomic's round trip.
+        next_tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         n0 = n_tile * BLOCK_N
         live = rows < end
@@ -202,7 +204,7 @@ def dispatch_grad_gemm1_kernel(
                     zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
                     tl.store(recv + at_x, zero, mask=zmask)
                     tl.store(recv_grad + at_x, zero, mask=zmask)
-        tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+        tile = next_tile
 
 
 @triton.jit
@@ -216,15 +218,17 @@ def _halves(x):
 
 @triton.jit
 def _saved_preact(preact, rows, live, c0, COLS: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr):
-    """GEMM1's saved results ``g``, ``u`` (fp32) of ``rows`` over the intermediate columns
-    ``c0 .. c0 + COLS`` of a tile ``BLOCK_N`` wide (rows not ``live`` and columns past
-    ``INTER`` read as 0: the rows past a saved tile's expert may lie past ``preact``)."""
+    """GEMM1's saved results ``g``, ``u`` of ``rows`` over the intermediate columns ``c0 ..
+    c0 + COLS`` of a tile ``BLOCK_N`` wide (rows not ``live`` and columns past ``INTER``
+    read as 0: the rows past a saved tile's expert may lie past ``preact``), in the saved
+    dtype: ``_swiglu_backward`` widens them, so a tile that holds them through its
+    mainloop holds half the registers."""
     cols = c0 + tl.arange(0, COLS)
     col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
     at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
     mask = live[:, None] & col_ok[None, :]
-    g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(at + INTER, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(at, mask=mask, other=0.0)
+    u = tl.load(at + INTER, mask=mask, other=0.0)
     return g, u
 
 
@@ -244,6 +248,8 @@ def _swiglu_backward(
     PART_N: tl.constexpr = d.shape[1]
     cols = c0 + tl.arange(0, PART_N)
     col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
     h = silu * u

@@ -184,7 +184,7 @@ def dispatch_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr, CLAIM_AHEAD: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
     intermediate columns. ``SAVE_GEMM1``: also store the pre-activations ``[gate | up]``
@@ -196,7 +196,9 @@ def dispatch_gemm1_kernel(
     block (``MX_DOT``: see ``tile_gemm``), and ``h`` is stored quantized for GEMM2, one scale per SCALE_K columns into
     ``h_scales``, after rounding to the activation dtype ``ACT_DTYPE`` as the reference
     rounds it. ``ROUND_K`` > 0 (MX held in the activation dtype, ``SCALE_K`` 0): the rows
-    arrive so, and ``h`` is stored so, rounded in blocks of ``ROUND_K`` columns."""
+    arrive so, and ``h`` is stored so, rounded in blocks of ``ROUND_K`` columns.
+    ``CLAIM_AHEAD``: a program claims its next tile before the mainloop, not after the
+    tile's stores (``TileConfig.gemm1_claim_ahead``)."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
@@ -221,6 +223,8 @@ def dispatch_gemm1_kernel(
             local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
         )
 
+        if CLAIM_AHEAD:  # the mainloop hides the atomic's round trip
+            next_tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
         rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
@@ -248,7 +252,10 @@ def dispatch_gemm1_kernel(
                 saved = mask & (rows < saved_rows)[:, None]
                 tl.store(at, g.to(preact.dtype.element_ty), mask=saved)
                 tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=saved)
-        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+        if CLAIM_AHEAD:
+            tile = next_tile
+        else:
+            tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
 
 
 @triton.jit

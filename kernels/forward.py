@@ -375,7 +375,7 @@ def fused_forward(
         BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
         COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
         W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
-        ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k,
+        ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
         num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
     )
     launch(rows_gemm_combine_kernel, (num_programs,),
