@@ -178,6 +178,8 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                    help="resolve the backend as if the EP group spanned nodes (auto then runs stock)")
     p.add_argument("--comm-sms", type=nonnegative_int, default=0,
                    help="mega_moe fused: dispatching programs (0: default)")
+    p.add_argument("--reserved-sms", type=nonnegative_int, default=0,
+                   help="mega_moe fused: SMs its persistent kernels leave free (default 0)")
     p.add_argument("--save-gemm1", action="store_true",
                    help="mega_moe fused: the forward keeps GEMM1's pre-activations for the backward")
     p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
@@ -254,7 +256,7 @@ def worker_argv(args) -> list[str]:
     argv = [
         "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
         "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
-        "--comm-sms", str(args.comm_sms), "--save-gemm1-load", str(args.save_gemm1_load),
+        "--comm-sms", str(args.comm_sms), "--reserved-sms", str(args.reserved_sms), "--save-gemm1-load", str(args.save_gemm1_load),
         "--warmup", str(args.warmup), "--iters", str(args.iters),
         "--out", args.out,
     ]
@@ -656,7 +658,7 @@ def describe(meta) -> str:
         precision += " (auto: bf16, as with no torchao grouped-MM converter)"
     fused = ""
     if meta["backend"] == "fused":
-        fused = (f", comm_sms {meta['comm_sms']}, "
+        fused = (f", comm_sms {meta['comm_sms']}, reserved_sms {meta['reserved_sms']}, "
                  + (f"GEMM1 saved for the backward up to {meta['save_gemm1_load']}x the mean load"
                     if meta["save_gemm1"] else "GEMM1 recomputed for the backward"))
     return (
@@ -781,14 +783,14 @@ def run(args, device, note) -> None:
         "shapes": args.shapes, "tokens": args.tokens, "variants": args.variants,
         "precision": args.precision_name, "precision_requested": args.precision,
         "backend": args.resolved_backend, "backend_reason": args.backend_reason,
-        "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "save_gemm1": args.save_gemm1,
-        "save_gemm1_load": args.save_gemm1_load, "forward_only": args.forward_only, "iters": args.iters,
+        "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "reserved_sms": args.reserved_sms,
+        "save_gemm1": args.save_gemm1, "save_gemm1_load": args.save_gemm1_load, "forward_only": args.forward_only, "iters": args.iters,
         "warmup": args.warmup,
     }
     say(f"[bench_layer] {describe(meta)}")
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
-                                comm_sms=args.comm_sms, save_gemm1=args.save_gemm1,
+                                comm_sms=args.comm_sms, reserved_sms=args.reserved_sms, save_gemm1=args.save_gemm1,
                                 save_gemm1_load=args.save_gemm1_load)
     settings = {"mega_moe": settings, "mega_moe_bf16": settings.replace(precision="bf16", backend=args.bf16_backend)}
     timer = Timer(device)

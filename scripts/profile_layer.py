@@ -202,16 +202,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main():
-    args = parse_args()
+def start_rank(script: str, shape: str, tokens: int):
+    """``(rank, world, EP group or None, inputs)`` of a torchrun rank of ``script``, which
+    runs the fused kernels: refuses a host without GPUs, then joins the NCCL group."""
     if not torch.cuda.is_available():
-        sys.exit(f"profile_layer: the fused kernels need NVIDIA GPUs; torch {torch.__version__} sees none")
+        sys.exit(f"{script}: the fused kernels need NVIDIA GPUs; torch {torch.__version__} sees none")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD if world > 1 else None
-    args_in = inputs(args.shape, args.tokens, rank, world)
-    x, *rest = args_in
+    return rank, world, group, inputs(shape, tokens, rank, world)
+
+
+def main():
+    args = parse_args()
+    rank, world, group, (x, *rest) = start_rank("profile_layer", args.shape, args.tokens)
     x = x.requires_grad_(args.backward)
     dy = torch.randn_like(x)
     results = {}

@@ -57,6 +57,13 @@ class MegaMoE:
     """Fused backend: programs that dispatch rows to their owners before joining the
     first expert GEMM (0 = the backend's default)."""
 
+    reserved_sms: int = 0
+    """Fused backend: SMs of each GPU that its persistent kernels leave free. They
+    otherwise hold every SM until their last tile, so a collective launched on another
+    stream meanwhile (FSDP's prefetched all-gather, a gradient reduce-scatter) waits
+    for them; NCCL's kernels need as many SMs as it runs channels (NCCL_MAX_NCHANNELS
+    caps them)."""
+
     save_gemm1: bool = False
     """Fused backend: the forward keeps GEMM1's pre-activations for the backward
     (receive rows x 2 x moe_inter_dim in bf16 per layer, logged; 0.77 GiB for
@@ -78,7 +85,7 @@ class MegaMoE:
     def __post_init__(self):
         _check_choice("precision", self.precision, PRECISION_CHOICES)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
-        for name in ("capacity_tokens_per_rank", "comm_sms"):
+        for name in ("capacity_tokens_per_rank", "comm_sms", "reserved_sms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise _invalid(name, value, "expected an integer >= 0")

@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools import utils as titan_utils
 
 from titan_megamoe import parallel
+from titan_megamoe.fused_support import operand_cast
 from titan_megamoe.layer import MegaMoE
 from titan_megamoe.ops import resolve_backend, SAVE_LIST_OPS
 from titan_megamoe.precision import get_precision, precision_from_recipe
@@ -69,7 +70,8 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     return problems
 
 
-FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "save_gemm1", "save_gemm1_load", "timeout_s")
+FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "reserved_sms", "save_gemm1", "save_gemm1_load",
+                       "timeout_s")
 """``[mega_moe]`` keys that only the fused backend reads."""
 
 
@@ -132,9 +134,13 @@ class MegaMoEConverter:
             precision_name, source = cfg.precision, "[mega_moe] precision"
         precision = get_precision(precision_name)
         dtype = _expert_dtype(job_config, parallel_dims)
-        backend, why = resolve_backend(
-            cfg.backend, torch.device(titan_utils.device_type), dtype, precision, _ep_within_node(job_config)
-        )
+        device = torch.device(titan_utils.device_type)
+        cast = operand_cast(device, dtype, precision) if cfg.backend in ("auto", "fused") else None
+        backend, why = resolve_backend(cfg.backend, device, cast or dtype, precision, _ep_within_node(job_config))
+        computes = str(dtype)
+        if cast is not None and backend == "fused":
+            computes += (f"; the fused kernels take {cast} copies of their tokens and weights, as "
+                         "TorchTitan's grouped-MM path does")
         self.auto_backend = cfg.backend == "auto"
         self.settings = OperatorSettings(
             precision=precision,
@@ -142,13 +148,14 @@ class MegaMoEConverter:
             capacity_tokens_per_rank=cfg.capacity_tokens_per_rank
             or job_config.training.local_batch_size * job_config.training.seq_len,
             comm_sms=cfg.comm_sms,
+            reserved_sms=cfg.reserved_sms,
             save_gemm1=cfg.save_gemm1,
             save_gemm1_load=float(cfg.save_gemm1_load),
             timeout_s=float(cfg.timeout_s),
         )
         logger.info(
             f"mega_moe: routed experts run precision '{precision_name}' (from {source}) "
-            f"on backend '{backend}' ({why}; experts compute in {dtype})"
+            f"on backend '{backend}' ({why}; experts compute in {computes})"
         )
         _note_fused_only_settings(cfg, backend)
         parallel.install()

@@ -218,14 +218,27 @@ def held_bytes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -
             "symmetric_in_allocator": symm.in_caching_allocator(group)}
 
 
-def _programs(x: torch.Tensor, group: symm.Group, comm_sms: int) -> tuple[int, int]:
-    """``(dispatching programs, programs per persistent kernel)`` on this rank."""
+def persistent_programs(sms: int, ranks_per_device: int, reserved_sms: int) -> int:
+    """Programs per persistent kernel on one rank: one per SM of its share of the GPU's
+    SMs left after ``reserved_sms``. Raises where that leaves fewer than two (one that
+    dispatches, one that computes)."""
+    programs = (sms - reserved_sms) // ranks_per_device
+    if programs < 2:
+        per_rank = f" shared by {ranks_per_device} ranks" if ranks_per_device > 1 else ""
+        raise ValueError(f"reserved_sms = {reserved_sms} leaves {max(sms - reserved_sms, 0)} of the GPU's {sms} "
+                         f"SMs{per_rank}: the fused kernels need at least 2 programs per rank")
+    return programs
+
+
+def _programs(x: torch.Tensor, group: symm.Group, settings: OperatorSettings) -> tuple[int, int]:
+    """``(dispatching programs, programs per persistent kernel)`` on this rank. The
+    interpreter runs three programs, whatever ``reserved_sms`` says."""
     if INTERPRET:
         num_programs = 3
     else:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        num_programs = sms // symm.ranks_per_device(group)
-    return comm_sms or min(DEFAULT_COMM_PROGRAMS, num_programs - 1), num_programs
+        num_programs = persistent_programs(sms, symm.ranks_per_device(group), settings.reserved_sms)
+    return settings.comm_sms or min(DEFAULT_COMM_PROGRAMS, num_programs - 1), num_programs
 
 
 def saved_shapes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings
@@ -265,7 +278,7 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
             raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
         buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
         plan = CallPlan(buffers, saved_shapes(x, topk_idx, w1, group, settings)[0],
-                        *_programs(x, group, settings.comm_sms))
+                        *_programs(x, group, settings))
         _PLANS[key] = plan
     return plan
 

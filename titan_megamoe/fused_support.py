@@ -103,6 +103,20 @@ def unsupported_reason(
     return None
 
 
+def operand_cast(device: torch.device, dtype: torch.dtype, precision: Precision) -> torch.dtype | None:
+    """The dtype a layer casts the tokens and weights of experts computing in ``dtype`` to
+    before the fused kernels, or None (no cast): bf16 for float32 experts in precision
+    bf16, where the kernels take bf16 but not float32. TorchTitan's grouped-MM path runs
+    its GEMMs on such bf16 copies too, whatever the parameters' dtype (single-device and
+    DDP jobs keep float32 parameters); the layer casts the output back."""
+    target, _ = arch(device)
+    if target is None or dtype in SERVED_DTYPES[target] or precision.quantized:
+        return None
+    if dtype == torch.float32 and torch.bfloat16 in SERVED_DTYPES[target]:
+        return torch.bfloat16
+    return None
+
+
 def runs_fp8_mma(target: str, precision: Precision) -> bool:
     """Whether the fused GEMMs of ``precision`` issue fp8 MMAs on architecture ``target``
     (Hopper has no MX MMA: MX tiles go through bf16 MMAs there)."""

@@ -21,6 +21,8 @@ from titan_megamoe.settings import OperatorSettings
 
 _logged_fallbacks: set[tuple[torch.dtype, str]] = set()
 """(dtype, reason) of each fallback to ``stock`` already logged: one line per job, not per layer."""
+_logged_casts: set[tuple[torch.dtype, torch.dtype]] = set()
+"""(experts' dtype, cast) of each operand cast already logged (``MegaExperts._decide``)."""
 
 
 class RouterScores:
@@ -65,25 +67,38 @@ class MegaExperts(GroupedExperts):
         self.settings = settings
         self.score_before_experts = score_before_experts
         self.auto_backend = auto_backend
-        self._call_settings: dict[tuple, OperatorSettings] = {}
+        self._call_settings: dict[tuple, tuple[OperatorSettings, torch.dtype | None]] = {}
 
-    def _settings_for(self, x: torch.Tensor) -> OperatorSettings:
-        """The settings a call with ``x`` runs with (decided once per device and dtype)."""
-        key = (self.settings, x.device, x.dtype)
-        settings = self._call_settings.get(key)  # one lookup: hashing the key is most of the cost
-        if settings is None:
-            settings = self._call_settings[key] = self._decide(x.device, x.dtype)
-        return settings
+    def _settings_for(self, x: torch.Tensor, weight_dtype: torch.dtype) -> tuple[OperatorSettings, torch.dtype | None]:
+        """The settings a call with ``x`` runs with, and the dtype the fused backend takes
+        copies of the tokens and weights in (``fused_support.operand_cast``) or None:
+        decided once per device and dtypes."""
+        key = (self.settings, x.device, x.dtype, weight_dtype)
+        decided = self._call_settings.get(key)  # one lookup: hashing the key is most of the cost
+        if decided is None:
+            decided = self._call_settings[key] = self._decide(x.device, x.dtype, weight_dtype)
+        return decided
 
-    def _decide(self, device: torch.device, dtype: torch.dtype) -> OperatorSettings:
+    def _decide(self, device: torch.device, dtype: torch.dtype,
+                weight_dtype: torch.dtype) -> tuple[OperatorSettings, torch.dtype | None]:
         settings = self.settings
         if settings.backend != "fused":
-            return settings
+            return settings, None
+        # float32 tokens or weights (autocast keeps the parameters in float32).
+        computes = torch.float32 if torch.float32 in (dtype, weight_dtype) else dtype
+        cast = fused_support.operand_cast(device, computes, settings.precision)
+        if cast is None and dtype != weight_dtype:
+            cast = computes
         # The converter checked the EP group; the device, dtype and shapes are new here.
-        reason = (fused_support.unsupported_reason(device, dtype, settings.precision, True)
+        reason = (fused_support.unsupported_reason(device, cast or dtype, settings.precision, True)
                   or fused_support.shape_unsupported_reason(settings.precision, self.w1.shape[1]))
         if reason is None:
-            return settings
+            if cast is not None and (computes, cast) not in _logged_casts:
+                _logged_casts.add((computes, cast))
+                logger.info(f"mega_moe: experts computing in {computes} run on the fused backend with {cast} "
+                            "copies of their tokens and weights, as TorchTitan's grouped-MM path runs its GEMMs; "
+                            "the output is cast back to the tokens' dtype")
+            return settings, cast
         if not self.auto_backend:
             raise NotImplementedError(
                 f"[mega_moe] backend = 'fused' cannot run these experts ({dtype} inputs): {reason}; "
@@ -95,7 +110,7 @@ class MegaExperts(GroupedExperts):
                 f"mega_moe: backend 'fused' (chosen by auto) cannot run these experts ({dtype} inputs): "
                 f"{reason}; those layers run backend 'stock'"
             )
-        return settings.replace(backend="stock")
+        return settings.replace(backend="stock"), None
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: RouterScores) -> torch.Tensor:
         group = None
@@ -108,16 +123,19 @@ class MegaExperts(GroupedExperts):
                 )
             group = mesh.get_group()
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        settings = self._settings_for(x)
+        settings, cast = self._settings_for(x, w1.dtype)
         if settings.backend == "stock":
             return stock.routed_experts(
                 x, topk_idx, topk_w.scores, w1, w2, w3, group, self.score_before_experts, settings.precision
             )
+        tokens = x
+        if cast is not None:
+            tokens, w1, w2, w3 = (t.to(cast) for t in (x, w1, w2, w3))
         y, _tokens_per_local_expert = mega_moe(
-            x, topk_idx, topk_w.scores, w1, w2, w3, group,
+            tokens, topk_idx, topk_w.scores, w1, w2, w3, group,
             score_before_experts=self.score_before_experts, settings=settings,
         )
-        return y
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (

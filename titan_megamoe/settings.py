@@ -36,6 +36,9 @@ class OperatorSettings:
     buffers. Required when EP > 1; 0 (one rank) = the call's token count."""
     comm_sms: int = 0
     """Fused: programs that dispatch rows before joining the first GEMM (0: the default)."""
+    reserved_sms: int = 0
+    """Fused: SMs of each GPU the persistent kernels leave free for kernels of other
+    streams, such as FSDP's all-gathers and reduce-scatters (0: one program on every SM)."""
     save_gemm1: bool = False
     """Fused: the forward keeps GEMM1's pre-activations, in the activations' dtype, for
     the backward (else the backward recomputes GEMM1). The reference recomputes them and
@@ -52,7 +55,7 @@ class OperatorSettings:
     def __post_init__(self):
         if isinstance(self.precision, str):
             object.__setattr__(self, "precision", get_precision(self.precision))
-        for name in ("capacity_tokens_per_rank", "comm_sms"):
+        for name in ("capacity_tokens_per_rank", "comm_sms", "reserved_sms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} = {value!r} is not valid; expected an integer >= 0")
@@ -85,7 +88,7 @@ class OperatorSettings:
         """Inverse of :meth:`encode`. Cached: each custom-op call decodes its settings, and
         the objects are frozen, so every call with one string can share one."""
         raw = dict(item.split("=", 1) for item in encoded.split(";"))
-        types = {"capacity_tokens_per_rank": int, "comm_sms": int, "timeout_s": float,
+        types = {"capacity_tokens_per_rank": int, "comm_sms": int, "reserved_sms": int, "timeout_s": float,
                  "save_gemm1_load": float,
                  "save_gemm1": lambda v: bool(int(v)), "precision": get_precision, "backend": str}
         return cls(**{name: types[name](value) for name, value in raw.items()})

@@ -1,5 +1,7 @@
 """Shared by the operator tests: problem generators, the float64 formula, comparisons."""
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -60,6 +62,29 @@ def rel_err(a, b):
     """``relative_error``, with NaN/Inf in the result failing loudly."""
     assert torch.isfinite(a).all(), "NaN/Inf in result"
     return relative_error(a, b)
+
+
+def gradient_errors(got: dict, truth: dict) -> dict:
+    """Relative error of each named gradient against ``truth``'s; for expert weights
+    ``[E, ...]`` (a name with "experts"), the worst expert's."""
+    return {name: max(relative_error(g, t) for g, t in zip(got[name], truth[name])) if "experts" in name
+            else relative_error(got[name], truth[name]) for name in truth}
+
+
+def qwen3_debug_model(n_layers: int, seq: int, state: dict | None, device: str):
+    """TorchTitan's qwen3 ``debugmodel_moe`` with ``n_layers`` layers on ``device``, its
+    weights initialised from seed 0, or loaded from ``state``."""
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    args = dataclasses.replace(qwen3_args["debugmodel_moe"], n_layers=n_layers, max_seq_len=seq)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3Model(args)
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device(device))
+    if state is not None:
+        model.load_state_dict(state)
+    return model
 
 
 def run_op(x, idx, w, w1, w2, w3, group, score_before, precision, dy):

@@ -93,3 +93,28 @@ def test_reduce_blocks_fill_the_programs(most, num_tokens, programs, expected):
     from titan_megamoe.kernels.forward import reduce_tokens
 
     assert reduce_tokens(most, num_tokens, programs) == expected
+
+
+@pytest.mark.parametrize(
+    "sms, ranks_per_device, reserved, expected",
+    [(132, 1, 0, 132), (132, 1, 16, 116), (132, 8, 0, 16), (132, 8, 4, 16), (132, 8, 5, 15), (132, 1, 130, 2)],
+)
+def test_reserved_sms_are_left_out_of_the_persistent_grids(sms, ranks_per_device, reserved, expected):
+    """``reserved_sms`` is taken from the device's SMs before they are split between the
+    ranks that share it (virtual ranks)."""
+    from titan_megamoe.fused import persistent_programs
+
+    assert persistent_programs(sms, ranks_per_device, reserved) == expected
+
+
+@pytest.mark.parametrize(
+    "sms, ranks_per_device, reserved, message",
+    [(132, 1, 131, "reserved_sms = 131 leaves 1 of the GPU's 132 SMs: the fused kernels need at least 2"),
+     (132, 1, 200, "reserved_sms = 200 leaves 0 of the GPU's 132 SMs"),
+     (132, 8, 120, "reserved_sms = 120 leaves 12 of the GPU's 132 SMs shared by 8 ranks")],
+)
+def test_reserving_too_many_sms_names_the_value(sms, ranks_per_device, reserved, message):
+    from titan_megamoe.fused import persistent_programs
+
+    with pytest.raises(ValueError, match=message):
+        persistent_programs(sms, ranks_per_device, reserved)

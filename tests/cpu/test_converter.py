@@ -46,6 +46,7 @@ def build_converters(job):
         ("save_gemm1", "save", "save_gemm1 = 'save' is not valid; expected true or false"),
         ("capacity_tokens_per_rank", -1, "capacity_tokens_per_rank = -1 is not valid; expected an integer >= 0"),
         ("comm_sms", 1.5, "comm_sms = 1.5 is not valid"),
+        ("reserved_sms", -2, "reserved_sms = -2 is not valid; expected an integer >= 0"),
         ("timeout_s", 0.0, "timeout_s = 0.0 is not valid; expected seconds > 0"),
         ("save_gemm1_load", -1.0, "save_gemm1_load = -1.0 is not valid; expected a multiple of the mean load > 0"),
     ],
@@ -123,11 +124,12 @@ def test_settings_reach_the_layers():
     job = parse("--training.local_batch_size=3", "--training.seq_len=512", "--mega_moe.comm_sms=24")
     assert MegaMoEConverter(job, None).settings.capacity_tokens_per_rank == 3 * 512
     job = parse("--mega_moe.capacity_tokens_per_rank=999", "--mega_moe.save_gemm1", "--mega_moe.timeout_s=7",
-                "--mega_moe.save_gemm1_load=2", "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference")
+                "--mega_moe.save_gemm1_load=2", "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference",
+                "--mega_moe.reserved_sms=8")
     converter = MegaMoEConverter(job, None)
     settings = converter.settings
-    assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.save_gemm1, settings.save_gemm1_load,
-            settings.timeout_s) == (999, 0, True, 2.0, 7.0)
+    assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.reserved_sms, settings.save_gemm1,
+            settings.save_gemm1_load, settings.timeout_s) == (999, 0, 8, True, 2.0, 7.0)
     assert (settings.precision.name, settings.backend) == ("fp8_bwd", "reference")
     model = debug_model("qwen3")
     converter.convert(model)
@@ -150,22 +152,69 @@ def _fused_checked_by(check, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "param_dtype, dp_shard, expected",
-    [("bfloat16", 2, "fused"), ("float32", 2, "stock"), ("bfloat16", 1, "stock")],  # 1: AMP, fp32 weights
+    "param_dtype, dp_shard, precision, expected",
+    [("bfloat16", 2, "bf16", "fused"),
+     ("float32", 2, "bf16", "fused (bf16 copies)"),
+     ("bfloat16", 1, "bf16", "fused (bf16 copies)"),  # 1: no FSDP, AMP keeps the weights in fp32
+     ("float32", 2, "fp8", "stock"),  # quantized from fp32: no bf16 copies
+     ("bfloat16", 2, "fp8", "fused")],
 )
-def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shard, expected, monkeypatch, caplog):
+def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shard, precision, expected, monkeypatch,
+                                                           caplog):
     from torchtitan.distributed import ParallelDims
 
     _fused_checked_by(_fused_runs_bf16_only, monkeypatch)
     monkeypatch.setattr(stock, "unsupported_reason", lambda *_: None)
     dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=dp_shard)
-    job = parse(f"--training.mixed_precision_param={param_dtype}")
+    job = parse(f"--training.mixed_precision_param={param_dtype}", f"--mega_moe.precision={precision}")
     with caplog.at_level(logging.INFO):
         converter = MegaMoEConverter(job, dims)
-    assert converter.settings.backend == expected and converter.auto_backend
+    assert converter.settings.backend == expected.split()[0] and converter.auto_backend
     (line,) = [r.message for r in caplog.records if "routed experts run" in r.message]
     if expected == "stock":
         assert "backend 'stock' (auto; skipped fused: test: no torch.float32 kernels" in line
+    copies = "experts compute in torch.float32; the fused kernels take torch.bfloat16 copies of their tokens and weights"
+    assert (copies in line) == expected.endswith("(bf16 copies)"), line
+
+
+def test_float32_experts_run_fused_on_bf16_copies(monkeypatch, caplog):
+    """As TorchTitan's grouped-MM path, which casts tokens and weights to bf16 whatever the
+    parameters' dtype: the operator gets bf16 copies, and gradients reach the fp32
+    parameters through the casts."""
+    import titan_megamoe.layer as layer
+
+    _fused_checked_by(_fused_runs_bf16_only, monkeypatch)
+    seen = []
+    real_mega_moe = layer.mega_moe
+
+    def mega_moe(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings):
+        seen.append((settings.backend, x.dtype, w1.dtype, w2.dtype, w3.dtype))
+        return real_mega_moe(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts=score_before_experts,
+                             settings=settings.replace(backend="reference"))
+
+    monkeypatch.setattr(layer, "mega_moe", mega_moe)
+    monkeypatch.setattr(layer, "_logged_casts", set())
+    original = debug_model("qwen3")  # fp32
+    converted = debug_model("qwen3", state=original.state_dict())
+    converter = MegaMoEConverter(parse(), None)
+    assert converter.settings.backend == "fused"
+    converter.convert(converted)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.INFO):
+        out = converted(tokens)
+    out_stock = original(tokens)
+    assert out.dtype == torch.float32
+    assert seen == [("fused", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16)] * 2  # 2 layers
+    casts = [r.message for r in caplog.records if "run on the fused backend with torch.bfloat16 copies" in r.message]
+    assert len(casts) == 1 and "experts computing in torch.float32" in casts[0]
+    # bf16 GEMMs against stock's fp32 loop on the CPU.
+    assert 0 < rel_err(out, out_stock) < 2e-2
+    out.square().mean().backward()
+    out_stock.square().mean().backward()
+    stock_params = dict(original.named_parameters())
+    for name, p in converted.named_parameters():
+        if "experts.w" in name:
+            assert p.grad.dtype == torch.float32 and rel_err(p.grad, stock_params[name].grad) < 3e-2, name
 
 
 @pytest.mark.parametrize("auto", [True, False])
@@ -182,6 +231,7 @@ def test_fused_layer_runs_stock_for_a_dtype_fused_cannot_run_only_under_auto(aut
         return real_routed_experts(*args)
 
     _fused_checked_by(fused_check, monkeypatch)
+    monkeypatch.setattr(fused_support, "operand_cast", lambda *_: None)  # no bf16 copies either
     monkeypatch.setattr(stock, "routed_experts", routed_experts)
     converter = MegaMoEConverter(parse("--mega_moe.backend=reference"), None)
     # As the converter leaves it when auto chose fused for bf16 experts, or fused was asked for.
@@ -220,10 +270,10 @@ def test_fused_layer_refuses_an_intermediate_size_without_whole_scale_blocks(aut
     message = "intermediate size 200 is not a multiple of 128"
     if not auto:
         with pytest.raises(NotImplementedError, match=message):
-            experts._settings_for(x)
+            experts._settings_for(x, x.dtype)
         return
     with caplog.at_level(logging.WARNING):
-        assert experts._settings_for(x).backend == "stock"
+        assert experts._settings_for(x, x.dtype) == (converter.settings.replace(backend="stock"), None)
     assert any(message in r.message and "run backend 'stock'" in r.message for r in caplog.records)
 
 

@@ -31,6 +31,7 @@ ab_report = load_script("ab_report")
 ab_stock_toml = load_script("ab_stock_toml")
 bench_layer = load_script("bench_layer")
 profile_layer = load_script("profile_layer")
+sm_sharing = load_script("sm_sharing")
 
 
 # ---------------------------------------------------------------- arguments
@@ -45,6 +46,7 @@ profile_layer = load_script("profile_layer")
         (["--iters", "0"], ["--iters", "'0'"]),
         (["--warmup", "-1"], ["--warmup", "'-1'"]),
         (["--comm-sms", "-3"], ["--comm-sms", "'-3'"]),
+        (["--reserved-sms", "many"], ["--reserved-sms", "'many'"]),
         (["--save-gemm1-load", "0"], ["--save-gemm1-load", "'0'"]),
         (["--shapes", "debug,30B"], ["--shapes", "'30B'"]),
         (["--shapes", "debug,debug"], ["--shapes", "'debug' is given twice"]),
@@ -109,7 +111,8 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
 
 def test_bench_layer_launcher_passes_what_it_resolved():
     args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
-                                           "--save-gemm1", "--save-gemm1-load", "0.5", "--memory"])
+                                           "--save-gemm1", "--save-gemm1-load", "0.5", "--memory",
+                                           "--reserved-sms", "8"])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
     assert vars(again) == vars(args)
@@ -129,6 +132,23 @@ def test_bench_layer_launcher_passes_what_it_resolved():
 def test_profile_layer_bad_arguments_name_the_value(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         profile_layer.parse_args(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert f"argument {argv[0]}" in error and named in error, error
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--reserved-sms", "0,x"], "'x' is not a number of SMs"),
+        (["--reserved-sms", "-1"], "'-1' is not a number of SMs"),
+        (["--stand-in-us", "0"], "'0'"),
+        (["--gather-mib", "-4"], "'-4'"),
+    ],
+)
+def test_sm_sharing_bad_arguments_name_the_value(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sm_sharing.parse_args(argv)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert f"argument {argv[0]}" in error and named in error, error
@@ -217,7 +237,8 @@ def _meta(forward_only: bool, variants) -> dict:
         "device": "cpu", "ep": 2, "dist_backend": "gloo", "dtype": "float32",
         "shapes": ["debug"], "tokens": [64, 128], "variants": list(variants),
         "precision": "bf16", "precision_requested": "bf16", "backend": "reference",
-        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "save_gemm1": False,
+        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "reserved_sms": 0,
+        "save_gemm1": False,
         "forward_only": forward_only, "iters": 3, "warmup": 1, "matmul_peak_tflops": None,
     }
 

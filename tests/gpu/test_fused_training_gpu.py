@@ -8,13 +8,12 @@ backend must be as close as the bf16 model on the reference backend in the same 
 is, within a factor of two (bf16 rounds the whole model, not only the experts: a norm
 weight's gradient, summed over every token, is off by ~2e-2 in bf16 on either backend)."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from problems import gradient_errors, qwen3_debug_model
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -34,7 +33,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def _model(backend: str, dtype: str, precision: str, ac_mode: str, state: dict | None):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3, qwen3_args
+    from torchtitan.models.qwen3 import parallelize_qwen3
 
     from titan_megamoe.converter import MegaMoEConverter
 
@@ -49,14 +48,7 @@ def _model(backend: str, dtype: str, precision: str, ac_mode: str, state: dict |
     ])
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, etp=1, world_size=2)
     dims.build_mesh()
-    args = dataclasses.replace(qwen3_args["debugmodel_moe"], n_layers=2, max_seq_len=SEQ)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3Model(args)
-        with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cuda"))
-    if state is not None:
-        model.load_state_dict(state)
+    model = qwen3_debug_model(2, SEQ, state, "cuda")
     converter = MegaMoEConverter(job, dims)
     assert converter.settings.backend == backend
     converter.convert(model)
@@ -77,14 +69,6 @@ def _train_step(rank, model):
     return torch.stack(losses)
 
 
-def _errors(got: dict, truth: dict) -> dict:
-    """Relative error of each gradient; for expert weights ``[E, ...]``, the worst expert's."""
-    from titan_megamoe.reference import relative_error
-
-    return {name: max(relative_error(g, t) for g, t in zip(got[name], truth[name])) if "experts" in name
-            else relative_error(got[name], truth[name]) for name in truth}
-
-
 def _fused_matches_reference(rank, world, ac_mode, precision):
     from titan_megamoe.reference import relative_error
 
@@ -100,7 +84,7 @@ def _fused_matches_reference(rank, world, ac_mode, precision):
     (true_losses, truth), (ref_losses, ref_grads), (losses, grads) = (results[r] for r in RUNS)
     for name, expected in truth.items():
         assert expected.abs().max() > 0, f"{name} got no gradient"
-    ref_errors, errors = _errors(ref_grads, truth), _errors(grads, truth)
+    ref_errors, errors = gradient_errors(ref_grads, truth), gradient_errors(grads, truth)
     worst = max((errors[n] / max(TOLERANCE, 2 * ref_errors[n]), n) for n in truth)
     print(f"rank {rank} {precision} AC {ac_mode}: losses fused {losses.tolist()}, bf16 reference {ref_losses.tolist()}, "
           f"fp32 {true_losses.tolist()}; {len(grads)} gradients, worst against its bound {worst[0]:.2f} "
