@@ -89,10 +89,9 @@ def all_gather(mib: int, world: int):
     return lambda: dist.all_gather_into_tensor(whole, part)
 
 
-def timed(call, collective, mode: str) -> tuple[float | None, float | None]:
-    """``(call ms, collective ms from its launch)`` of one run in ``mode``; None where the
-    mode leaves one out."""
-    side = torch.cuda.Stream()
+def timed(call, collective, side: torch.cuda.Stream, mode: str) -> tuple[float | None, float | None]:
+    """``(call ms, collective ms from its launch on stream ``side``)`` of one run in ``mode``;
+    None where the mode leaves one out."""
     ready = torch.cuda.Event()
     call_start, call_end, coll_start, coll_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     torch.cuda.synchronize()
@@ -137,7 +136,7 @@ def main():
         collective = stand_in(args.stand_in_us)
         what = f"stand-in: one program holding an SM for {args.stand_in_us:g} us"
 
-    results, reference = [], None
+    results, reference, side = [], None, torch.cuda.Stream()
     for reserved in args.reserved_sms:
         settings = OperatorSettings(precision="bf16", backend="fused", capacity_tokens_per_rank=args.tokens,
                                     reserved_sms=reserved, save_gemm1=True)
@@ -156,8 +155,8 @@ def main():
         row = {"reserved_sms": reserved, "identical_to_first": identical}
         for mode in ("layer", "collective", "during", "first"):
             for _ in range(args.warmup):
-                timed(call, collective, mode)
-            runs = [timed(call, collective, mode) for _ in range(args.iters)]
+                timed(call, collective, side, mode)
+            runs = [timed(call, collective, side, mode) for _ in range(args.iters)]
             for i, name in ((0, "call_ms"), (1, "collective_ms")):
                 values = [r[i] for r in runs if r[i] is not None]
                 if values:
