@@ -268,6 +268,26 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     )
 
 
+def release_preact(preact: torch.Tensor) -> None:
+    """Hand the saved pre-activations' memory back to the caching allocator once the
+    launches that read them are queued (stream order keeps it theirs until they have run),
+    though autograd references the tensor until the backward returns: the weight
+    gradients, the backward's peak, then take its place. A tensor that is not the whole of
+    its storage (a view) is left as it is. A second backward over the same graph finds
+    it released (``preact_released``) and recomputes GEMM1."""
+    storage = preact.untyped_storage()
+    if preact.storage_offset() or storage.nbytes() != preact.numel() * preact.element_size():
+        return
+    if preact.is_cuda:  # the launches above may run on another stream than the allocation's
+        preact.record_stream(torch.cuda.current_stream(preact.device))
+    storage.resize_(0)
+
+
+def preact_released(preact: torch.Tensor) -> bool:
+    """Whether an earlier backward released these pre-activations (``release_preact``)."""
+    return preact.numel() > 0 and preact.untyped_storage().nbytes() == 0
+
+
 def fused_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -287,7 +307,8 @@ def fused_backward(
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
     forward's saved pre-activations of the receive buffer's first rows (``preact_shape``),
-    or None to recompute GEMM1 (for the rows past them too). ``routing``: the forward's
+    or None to recompute GEMM1 (for the rows past them too); they are consumed: their
+    memory is released once read (``release_preact``). ``routing``: the forward's
     (``forward.sort_rows``)."""
     shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -389,6 +410,8 @@ def fused_backward(
         # per tile column), after the first launch has dispatched every row.
         first_kernel(TILES=PAST_SAVED_TILES.value, NEXT_TILE=RECOMPUTE_NEXT_TILE.value, COMM_PROGRAMS=0,
                      EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
+    if preact is not None:
+        release_preact(preact)
     launch(rows_gemm_combine_kernel, (num_programs,),
         dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, w3_stored, buffers.recv_meta, buffers.combine,
         buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
@@ -408,10 +431,12 @@ def fused_backward(
 
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:
-        dw1, dw2, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w2, w3))
+        dw1, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w3))
         # Each operand freed as soon as its token-major copy exists, the narrowest first:
         # h's copy, then [da | db] (dW1 and dW3 first), so that neither is held beside
-        # the other or beside more than two copies (docs/perf.md v28).
+        # the other or beside more than two copies (docs/perf.md v28); dW2 allocated once
+        # [da | db]'s copy is freed, so that the peak holds the three weight gradients
+        # beside two copies, not beside [da | db] (v32).
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
         token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts)
         wgrad = functools.partial(_quantized_wgrad, buffers, tiles, wgrad_fmt, starts)
@@ -421,6 +446,7 @@ def fused_backward(
         del dab
         wgrad(dab_major, token_major(recv_rows, recv_row_scales, shape.hidden), (dw1, dw3))
         del dab_major
+        dw2 = torch.empty(w2.shape, dtype=shape.dtype, device=x.device)
         wgrad(token_major(grad.recv_grad, grad.recv_grad_scales, shape.hidden), h_major, (dw2,))
     else:
         # torch's grouped GEMM on the rows in the activation dtype, a pair of operands at a

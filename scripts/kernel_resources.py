@@ -155,11 +155,11 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
     scores = torch.rand(TOKENS_PER_RANK, top_k)
     w1, w3 = (torch.randn(local, inter, hidden, dtype=torch.bfloat16) for _ in range(2))
     w2 = torch.randn(local, hidden, inter, dtype=torch.bfloat16)
-    # Half the mean load saved: the backward's launch for the rows past them compiles too.
-    preact = torch.empty(preact_shape(fshape, tiles, 0.5), dtype=torch.bfloat16)
     for save in (True, False):
         for score_before in (False, True):
-            saved = preact if save else None
+            # Half the mean load saved: the backward's launch for the rows past them compiles
+            # too. The backward consumes them: one per call.
+            saved = torch.empty(preact_shape(fshape, tiles, 0.5), dtype=torch.bfloat16) if save else None
             _, _, routing = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
                                           PROGRAMS, 10.0, preact=saved)
             fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, buffers, grad, score_before,

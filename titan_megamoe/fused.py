@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_megamoe import fused_support, symm
-from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes
+from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes, preact_released
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
 from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape, routing_numel
 from titan_megamoe.precision import Format
@@ -302,11 +302,13 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
 
 def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routing: torch.Tensor,
                  group: symm.Group, score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
-    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` and ``routing`` as the forward returned them."""
+    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` and ``routing`` as the forward returned them.
+    The backward consumes ``saved``; a second backward over the same graph
+    (``retain_graph``) recomputes GEMM1 instead."""
     plan = _plan(x, topk_idx, w1, group, settings)
     return fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
-        saved if settings.save_gemm1 else None,
+        saved if settings.save_gemm1 and not preact_released(saved) else None,
         routing,
         plan.buffers,
         _grad_buffers(group, plan.buffers, settings),

@@ -148,7 +148,10 @@ def test_forward_and_backward_match_reference(dtype, tolerance, monkeypatch):
 
 
 def _check_training_path(rank, world):
-    """The op with backend fused under autograd, against the reference backend."""
+    """The op with backend fused under autograd, against the reference backend. The
+    backward consumes the saved pre-activations; a second backward over the same graph
+    recomputes GEMM1 and gets the same gradients."""
+    from titan_megamoe.kernels.backward import preact_released
     from titan_megamoe.ops import mega_moe
 
     x, idx, w, w1, w2, w3 = _problem(23, "random", seed=5)
@@ -159,9 +162,16 @@ def _check_training_path(rank, world):
         settings = _settings(save_gemm1, backend=backend)
         y, _ = mega_moe(leaves[0], idx, leaves[1], *leaves[2:], None, score_before_experts=False,
                         settings=settings)
-        y.backward(dy)
+        y.backward(dy, retain_graph=True)
         results[backend, save_gemm1] = [y.detach()] + [t.grad for t in leaves]
-    for key in (("fused", False), ("fused", True)):
+        saved = y.grad_fn.saved_tensors[6]
+        assert preact_released(saved) == save_gemm1, (backend, tuple(saved.shape))
+        if save_gemm1:
+            for t in leaves:
+                t.grad = None
+            y.backward(dy)
+            results["fused", "again"] = [y.detach()] + [t.grad for t in leaves]
+    for key in (("fused", False), ("fused", True), ("fused", "again")):
         for got, expected in zip(results[key], results["reference", False]):
             assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), key
 
