@@ -1,6 +1,6 @@
 """Host side of the fused backward: the buffers it adds to the forward's and its launches.
 
-One call (all on the current stream, no host synchronisation):
+One call (all on the current stream; the host waits for the device only as step 1 says):
 
 1. ``layout``: the layout kernel runs again on the forward's routing (its rows' send
    order, ``forward.sort_rows``): the same receive layout, and a new epoch whose count
@@ -8,6 +8,9 @@ One call (all on the current stream, no host synchronisation):
    receive buffer still holds this forward's expert inputs (the forward was the last
    call on these buffers, as under full activation checkpointing, where the layer's
    forward is recomputed right before its backward) asks for the gradient rows alone.
+   What the backward allocates per received row holds the rows that forward received
+   (``rows_to_hold``), which its layout kernel wrote into host memory: the host reads
+   them there, and waits only if the device has not yet run that kernel.
 2. ``dispatch_grad_gemm1_kernel``: expert inputs, ``dy`` rows and scores to the owners;
    GEMM1 recomputed (or read back from the forward's ``preact``), ``dy W2``, SwiGLU
    backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts.
@@ -38,6 +41,7 @@ the GEMMs read them.
 """
 
 import functools
+import logging
 
 import torch
 import triton
@@ -69,10 +73,12 @@ from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECOMPUTE_NEXT_TILE
+from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
 from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
 from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
+
+logger = logging.getLogger(__name__)
 
 
 class GradBuffers:
@@ -132,7 +138,9 @@ class GradBuffers:
 
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Most bytes a backward call takes from the caching allocator at once besides its
-    outputs: ``dab`` and the score-gradient parts throughout; up to the dgrad GEMM the
+    outputs, where the routing brings every row it can (a call holds its rows' share of
+    what is sized per received row, ``rows_to_hold``): ``dab`` and the score-gradient parts
+    throughout; up to the dgrad GEMM the
     transposed weights (those the GEMMs do not read as stored: ``w2_as_stored``,
     ``w13_as_stored_rows``), in e4m3 where the backward is quantized, with the e4m3 copies
     of ``dab`` and ``dy``; then, quantized, up to three token-major copies for quantized
@@ -167,7 +175,7 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
         # Then the rows that crossed quantized, dequantized one at a time.
         dequantized = rows * hidden * shape.dtype.itemsize if grad.dy_link.quantized else 0
         return total + int(max(through_dgrad, dequantized))
-    kt = _token_major_length(shape, tiles, grad.wgrad_format)
+    kt = _token_major_length(shape, tiles, grad.wgrad_format, rows)
     token_major = kt * (3 * inter + hidden)
     return total + int(max(through_dgrad, (shape.capacity_tokens_per_rank * hidden + token_major) * scaled))
 
@@ -179,20 +187,30 @@ def _token_span(tiles: TileConfig, fmt: Format) -> int:
     return max(fmt.activation_block[1], tiles.wgrad_k)
 
 
-def _token_major_length(shape, tiles: TileConfig, fmt: Format) -> int:
-    """Tokens along a token-major copy: every row any routing can bring, each local
-    expert's padded to whole spans (``_token_span``)."""
+TOKEN_MAJOR_STEPS_PER_MEAN = 4
+"""A token-major copy's length (``_token_major_length``) is a multiple of this fraction of
+the rows a rank receives on average: each length compiles the copy and GEMM kernels once."""
+
+
+def _token_major_length(shape, tiles: TileConfig, fmt: Format, received: int) -> int:
+    """Tokens along the token-major copies of a call that received ``received`` rows
+    (each local expert's aligned): each local expert's rows padded to whole spans
+    (``_token_span``), rounded up to a step of ``TOKEN_MAJOR_STEPS_PER_MEAN``, at most
+    what any routing brings."""
     span = _token_span(tiles, fmt)
-    return span * (triton.cdiv(shape.ep * shape.rows_per_rank, span) + shape.local_experts)
+    step = max(1, triton.cdiv(shape.rows_per_rank, TOKEN_MAJOR_STEPS_PER_MEAN * span))
+    spans = min(triton.cdiv(triton.cdiv(received, span), step) * step,
+                triton.cdiv(shape.ep * shape.rows_per_rank, span))
+    return span * (spans + shape.local_experts)
 
 
 def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor,
-                 t, t_scales, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 received: int, t, t_scales, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``cols`` columns of the rows ``t`` (e4m3 in ``fmt``'s row blocks when
     ``t_scales`` is given) as ``token_major_kernel`` lays them out: ``([cols, kt] e4m3,
-    [cols, kt / token block] scales)``, ``kt`` = ``_token_major_length``. ``block_start``:
-    ``_token_block_starts``."""
-    kt = _token_major_length(buffers.shape, tiles, fmt)
+    [cols, kt / token block] scales)``, ``kt`` = ``_token_major_length`` for ``received``
+    rows. ``block_start``: ``_token_block_starts``."""
+    kt = _token_major_length(buffers.shape, tiles, fmt, received)
     token_block = fmt.activation_block[1]
     out = torch.empty(cols, kt, dtype=torch.float8_e4m3fn, device=t.device)
     scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
@@ -268,6 +286,26 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     )
 
 
+def rows_to_hold(buffers: ForwardBuffers, forward_call: int, timeout_s: float) -> tuple[int, int]:
+    """``(received, hold)``: the rows this rank received in ``forward_call`` (each local
+    expert's aligned; the backward routes the same rows), and how many rows a buffer
+    indexed by receive row must hold for them: a tile's rows past the last expert's
+    (``layout``), at most the receive buffer's. A forward whose record was overwritten
+    (``ForwardBuffers.received_rows``) gives the receive buffer's, said once in the log."""
+    most = buffers.recv.shape[0]
+    received = buffers.received_rows(forward_call, timeout_s)
+    if received is None:
+        if not buffers.warned_unsized:
+            buffers.warned_unsized = True
+            logger.warning(
+                f"mega_moe fused backward: the record of forward call {forward_call} was overwritten by calls made "
+                f"since ({RECEIVED_SLOTS.value} or more); its backward holds {most} rows per row buffer, what "
+                "any routing can bring"
+            )
+        return most - buffers.tiles.block_m, most
+    return received, min(received + buffers.tiles.block_m, most)
+
+
 def release_preact(preact: torch.Tensor) -> None:
     """Hand the saved pre-activations' memory back to the caching allocator once the
     launches that read them are queued (stream order keeps it theirs until they have run),
@@ -298,6 +336,7 @@ def fused_backward(
     w3: torch.Tensor,
     preact: torch.Tensor | None,
     routing: torch.Tensor,
+    forward_call: int,
     buffers: ForwardBuffers,
     grad: GradBuffers,
     score_before_experts: bool,
@@ -308,8 +347,9 @@ def fused_backward(
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
     forward's saved pre-activations of the receive buffer's first rows (``preact_shape``),
     or None to recompute GEMM1 (for the rows past them too); they are consumed: their
-    memory is released once read (``release_preact``). ``routing``: the forward's
-    (``forward.sort_rows``)."""
+    memory is released once read (``release_preact``). ``routing`` and ``forward_call``:
+    the forward's (``forward.fused_forward``); the rows that forward received size what
+    the backward allocates per received row (``rows_to_hold``)."""
     shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
@@ -324,8 +364,6 @@ def fused_backward(
             f"saved pre-activations have shape {tuple(preact.shape)}; expected [at most {rows}, "
             f"{2 * shape.inter}] (preact_shape)"
         )
-    # Rows past the saved ones (when the routing brings them) recompute GEMM1.
-    recompute_past_saved = preact is not None and saved_rows < rows
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
     # Native weight gradients after a quantized forward: x and dy cross unquantized (the
     # expert inputs again, into the receive buffer's native view) and the scaled GEMMs
@@ -341,7 +379,6 @@ def fused_backward(
     block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if preact is None
                        else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
     parts = triton.cdiv(shape.inter, block_n)
-    dab = torch.empty(rows, 2 * shape.inter, dtype=shape.dtype, device=x.device)
     # GEMM1 is recomputed in the forward's format; dy W2 and the dgrad GEMM run in the
     # backward's, the weight gradients in theirs.
     x_fmt, fmt = buffers.row_format, grad.grad_format
@@ -349,8 +386,6 @@ def fused_backward(
     # The backward's first kernel takes one weight block and rounding rule: the backward's,
     # or the forward's where only GEMM1 is quantized (never both: ``fused_support``).
     w_fmt = fmt if fmt.quantized else x_fmt
-    # A forward in e4m3 keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
-    h_wgrad = torch.empty(rows, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k else buffers.h
     w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = w3_stored = None
     sent, dy_sent = x, dy
     # K-major copies of the weights as the backward's GEMMs read them (W2 as stored where
@@ -361,11 +396,6 @@ def fused_backward(
         w13t, w13t_scales = quantize_transposed([w1, w3], fmt, tiles.transpose_block, in_bf16)
         if grad.dy_link.quantized:
             dy_sent, dy_scales = quantize_rows(dy, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
-        # [da | db] for the dgrad GEMM: e4m3 with scales, or rounded in the activation dtype.
-        dab_q = torch.empty(rows, 2 * shape.inter, dtype=torch.float8_e4m3fn if scale_k else shape.dtype,
-                            device=x.device)
-        if scale_k:
-            dab_scales = torch.empty(rows, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     else:
         w2_operand_scales = w13t_scales = None
         w2_operand = w2 if tiles.w2_as_stored else transposed_side_by_side([w2], tiles.transpose_block)
@@ -373,12 +403,27 @@ def fused_backward(
         stored = grad.reads_w13_as_stored(num_tokens, top_k) and (w3.data_ptr() - w1.data_ptr()) % 16 == 0
         w13t, w3_stored = ((w1, w3) if stored
                            else (transposed_side_by_side([w1, w3], tiles.transpose_block), None))
+    # Launched above: what does not depend on the rows received. The forward's record of
+    # them has usually long been written; the buffers below hold one row per received row.
+    received, hold = rows_to_hold(buffers, forward_call, timeout_s)
+    # Rows past the saved ones (when the routing brought them) recompute GEMM1.
+    recompute_past_saved = preact is not None and saved_rows < received
+    dab = torch.empty(hold, 2 * shape.inter, dtype=shape.dtype, device=x.device)
+    # A forward in e4m3 keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
+    h_wgrad = (torch.empty(hold, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k
+               else buffers.h[:hold])
+    if fmt.quantized:
+        # [da | db] for the dgrad GEMM: e4m3 with scales, or rounded in the activation dtype.
+        dab_q = torch.empty(hold, 2 * shape.inter, dtype=torch.float8_e4m3fn if scale_k else shape.dtype,
+                            device=x.device)
+        if scale_k:
+            dab_scales = torch.empty(hold, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
     # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
     if x_fmt.quantized and (preact is None or recompute_past_saved):
         (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles))
     if x_fmt.quantized and not score_before_experts and not quantize_on_read:
         sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
-    score_parts = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
+    score_parts = torch.empty(hold, parts, dtype=torch.float32, device=x.device)
     first_kernel = functools.partial(
         launch, dispatch_grad_gemm1_kernel, (num_programs,),
         sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
@@ -438,7 +483,7 @@ def fused_backward(
         # [da | db]'s copy is freed, so that the peak holds the three weight gradients
         # beside two copies, not beside [da | db] (v32).
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
-        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts)
+        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, received)
         wgrad = functools.partial(_quantized_wgrad, buffers, tiles, wgrad_fmt, starts)
         h_major = token_major(h_wgrad, None, shape.inter)
         del h_wgrad
@@ -458,13 +503,16 @@ def fused_backward(
         mx_block = grad.mx_wgrad_block
         align = buffers.tiles.row_align
         ends = torch.cumsum((buffers.local_rows + align - 1) // align * align, 0, dtype=torch.int32)
-        x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
+        held = slice(0, hold)
+        x_rows = _dequantized(buffers, recv_rows[held], None if recv_row_scales is None else recv_row_scales[held],
+                              x_fmt.row_scale_k, mx_block)
         dab_rows = _dequantized(buffers, dab, None, 0, mx_block)
         del dab
         dw1 = torch._grouped_mm(dab_rows[:, : shape.inter].t(), x_rows, offs=ends)
         dw3 = torch._grouped_mm(dab_rows[:, shape.inter :].t(), x_rows, offs=ends)
         del x_rows, dab_rows
-        dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k, mx_block)
+        recv_grad_scales = None if grad.recv_grad_scales is None else grad.recv_grad_scales[held]
+        dy_rows = _dequantized(buffers, grad.recv_grad[held], recv_grad_scales, scale_k, mx_block)
         h_rows = _dequantized(buffers, h_wgrad, None, 0, mx_block)
         del h_wgrad
         dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)

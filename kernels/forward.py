@@ -7,6 +7,7 @@ and read on the device, and every grid is sized by capacity. A failure on the de
 """
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,11 +23,21 @@ from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.layout import layout_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-from titan_megamoe.kernels.sync import STATE_WORDS, STATUS_WORDS, FlagLayout
+from titan_megamoe.kernels.sync import (
+    RECEIVED_CALL,
+    RECEIVED_SLOTS,
+    RECEIVED_WORDS,
+    STATE_WORDS,
+    STATUS_WORDS,
+    FlagLayout,
+)
 from titan_megamoe.precision import NATIVE, Format
 
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 """Activation dtypes as the kernels name them (the rounding of ``h`` before quantizing)."""
+
+RECEIVED_POLL_S = 20e-6
+"""How long ``received_rows`` sleeps between reads of a record not yet written."""
 
 SymmetricAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """``(shape, dtype) -> (this rank's zeroed buffer, int64 tensor of every rank's address)``."""
@@ -113,8 +124,11 @@ class ForwardBuffers:
             self.h_scales = None
         pinned = device.type == "cuda"
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
+        self.received = torch.zeros(RECEIVED_SLOTS.value, RECEIVED_WORDS.value, dtype=torch.int64, pin_memory=pinned)
+        """The received-rows record (``sync``), in host memory: ``received_rows`` reads it."""
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
         self.state[sync.STATUS_ADDR.value] = self.status.data_ptr()
+        self.state[sync.RECEIVED_ADDR.value] = self.received.data_ptr()
         self.dest_start = ints(num_experts)
         self.item_start = ints(num_experts)
         self.local_base = ints(shape.local_experts)
@@ -130,6 +144,8 @@ class ForwardBuffers:
         """The deadline of the last call (for the failure message)."""
         self.calls = 0
         """Calls (forward or backward) made on these buffers, counted on the host."""
+        self.warned_unsized = False
+        """Whether a backward said it could not size its buffers by its forward's rows."""
         self.resident = None
         """``(call, inputs_key)`` of the forward whose expert inputs the receive buffer holds."""
 
@@ -145,6 +161,30 @@ class ForwardBuffers:
     def local_bytes(self) -> int:
         held = (self.h, self.h_scales)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def received_rows(self, call: int, timeout_s: float) -> int | None:
+        """The rows this rank received in ``call`` (a forward's, ``fused_forward``), each
+        local expert's padded to ``row_align``, read from the record its layout kernel
+        writes into host memory: at once if the device has run that kernel, else once it
+        has (raises if the call failed, or past ``timeout_s``). None if that slot has since
+        been written by a call ``RECEIVED_SLOTS`` or more later."""
+        slot = self.received[call % RECEIVED_SLOTS.value]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            written, rows = slot.tolist()
+            # The kernel writes the rows before the call: a second read of the call tells
+            # whether the slot was rewritten between the two.
+            if written == call and slot[RECEIVED_CALL.value].item() == call:
+                return rows
+            if written > call:
+                return None
+            self.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"mega_moe fused backward: the forward's call {call} had not published the rows it "
+                    f"received after {timeout_s:.1f} s (its record holds call {written})"
+                )
+            time.sleep(RECEIVED_POLL_S)
 
     def failure(self) -> str | None:
         """What made a call on these buffers fail on the device, or None (reads host memory
@@ -302,7 +342,7 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
         order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
         buffers.dest_start, buffers.item_start, buffers.local_base, buffers.block_base, buffers.local_rows,
         buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
-        shape.local_experts, int(needs_input), int(timeout_s * 1e9),
+        shape.local_experts, int(needs_input), int(timeout_s * 1e9), buffers.calls,
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
         EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
         ROW_ALIGN=buffers.tiles.row_align, num_warps=4,
@@ -310,14 +350,17 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
     return tokens_per_expert
 
 
-def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float) -> tuple[int, int]:
-    """Shape of the saved pre-activations ``[gate | up]`` of one call: the receive
-    layout's first rows, ``load`` times the layout's rows at the mean load (the rows a
-    rank receives on average, plus half an alignment's padding per local expert), in
-    whole alignments and at most the receive buffer's rows
-    (``OperatorSettings.save_gemm1_load``)."""
+def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float, num_tokens: int) -> tuple[int, int]:
+    """Shape of the saved pre-activations ``[gate | up]`` of a call of ``num_tokens``
+    tokens: the receive layout's first rows, ``load`` times the layout's rows at the mean
+    load (the rows a rank receives on average, plus half an alignment's padding per local
+    expert), in whole alignments and at most the receive buffer's rows
+    (``OperatorSettings.save_gemm1_load``). The call's own routed rows stand for the mean,
+    not the capacity's: the ranks of a job pass like counts, and rows past the saved ones
+    are recomputed."""
     align = tiles.row_align
-    rows = math.ceil(load * (shape.rows_per_rank + shape.local_experts * align // 2) / align) * align
+    mean = num_tokens * shape.top_k
+    rows = math.ceil(load * (mean + shape.local_experts * align // 2) / align) * align
     return min(rows, shape.receive_rows(tiles)), 2 * shape.inter
 
 
@@ -334,9 +377,10 @@ def fused_forward(
     num_programs: int,
     timeout_s: float,
     preact: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``y [T, H]``, the rows received per local expert (int64), see ``reference``, and
-    the call's routing (``sort_rows``), which its backward takes.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``y [T, H]``, the rows received per local expert (int64), see ``reference``, the
+    call's routing (``sort_rows``) and its number on ``buffers`` (``received_rows``), which
+    its backward takes.
 
     ``num_programs`` persistent programs run each GEMM; the first ``comm_programs`` of
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
@@ -394,7 +438,7 @@ def fused_forward(
     reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
            scale_by_score=not score_before_experts, score_dot=False)
     after_launches(buffers)
-    return y, tokens_per_expert, routing
+    return y, tokens_per_expert, routing, buffers.calls
 
 
 REDUCE_MIN_TOKENS = 8

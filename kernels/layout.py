@@ -30,6 +30,8 @@ Outputs (int32 unless noted):
     local_rows[le]    rows I receive for le; also written as int64 to tokens_per_expert
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
+    the received-rows record's slot of ``call`` (``sync``): the rows I receive, each
+    local expert's padded to ROW_ALIGN
     state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the
     tile counters of this call
 """
@@ -45,6 +47,11 @@ from titan_megamoe.kernels.sync import (
     GEMM2_FINISHED,
     NUM_BLOCKS,
     NUM_ITEMS,
+    RECEIVED_ADDR,
+    RECEIVED_CALL,
+    RECEIVED_ROWS,
+    RECEIVED_SLOTS,
+    RECEIVED_WORDS,
     RECOMPUTE_NEXT_TILE,
     TIMEOUT_NS,
     fail,
@@ -53,7 +60,7 @@ from titan_megamoe.kernels.sync import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call"])
 def layout_kernel(
     order,
     ids,
@@ -75,6 +82,7 @@ def layout_kernel(
     local_experts,
     needs_input,
     timeout_ns,
+    call,
     COUNTS: tl.constexpr,
     COUNT_READY: tl.constexpr,
     NEEDS_INPUT: tl.constexpr,
@@ -153,6 +161,10 @@ def layout_kernel(
     tl.store(local_rows + lane, my_rows, mask=mine)
     tl.store(tokens_per_expert + lane, my_rows.to(tl.int64), mask=mine)
     tl.store(state + NUM_BLOCKS, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M)
+    received = tl.load(state + RECEIVED_ADDR).to(tl.pointer_type(tl.int64)) + (
+        call % RECEIVED_SLOTS) * RECEIVED_WORDS
+    tl.store(received + RECEIVED_ROWS, tl.sum(tl.sum(tl.where(owner, aligned, 0), axis=1), axis=0).to(tl.int64))
+    tl.atomic_xchg(received + RECEIVED_CALL, call, sem="release", scope="sys")
     s2 = tl.arange(0, EP_PAD)[:, None]
     from_s = (s2 < ep) & (le < local_experts)
     owner3 = r3 == rank

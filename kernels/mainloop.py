@@ -147,6 +147,10 @@ def tile_gemm(
     B_K_STRIDE: tl.constexpr = N if B_N_MAJOR else 1
     if B_N_MAJOR:
         b_tile = ks[:, None] * N + cols[None, :]
+    elif N * K >= 2**31:
+        # A token-major operand of the weight gradients: N rows of up to every token a
+        # routing can bring (235B-A22B at EP 8: 4,096 x 1.05 M elements) need int64.
+        b_tile = cols[None, :].to(tl.int64) * K + ks[:, None]
     else:
         b_tile = cols[None, :] * K + ks[:, None]
     b_ptrs = b + expert_offset + b_tile

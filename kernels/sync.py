@@ -75,7 +75,20 @@ TIMEOUT_NS = tl.constexpr(5)
 STATUS_ADDR = tl.constexpr(6)
 RECOMPUTE_NEXT_TILE = tl.constexpr(7)
 """The backward's tile counter for the rows whose pre-activations were not saved."""
-STATE_WORDS = 8
+RECEIVED_ADDR = tl.constexpr(8)
+"""Address of the received-rows record (host memory, below)."""
+STATE_WORDS = 9
+
+# The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows].
+# The layout kernel of call n (as the host counts calls: ``ForwardBuffers.calls``, passed
+# to it) writes, into slot n % RECEIVED_SLOTS, the rows this rank receives in that call,
+# each local expert's padded to its alignment: first the rows, then n (release, sys). The
+# host reads the slot of a forward's call when its backward sizes the buffers that hold
+# one row per received row, without synchronising (the backward routes the same rows).
+RECEIVED_SLOTS = tl.constexpr(1024)
+RECEIVED_CALL = tl.constexpr(0)
+RECEIVED_ROWS = tl.constexpr(1)
+RECEIVED_WORDS = tl.constexpr(2)
 
 ABORT = tl.constexpr(0)
 """ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without

@@ -71,6 +71,12 @@ SHAPES = {
     "30B-A3B": LayerShape(hidden=2048, inter=768, experts=128, top_k=8),
     "235B-A22B": LayerShape(hidden=4096, inter=1536, experts=128, top_k=8),
 }
+RANK_SHARES = (2, 8)
+"""``<shape>@ep<N>``: one rank's share of the expert work at EP = N, for a single GPU: E / N
+experts, each receiving N times the rows (the same tokens per rank and top-k), the
+transfers local. The GEMMs' shapes per rank are EP = N's; the link is not."""
+SHAPES.update({f"{name}@ep{ep}": dataclasses.replace(shape, experts=shape.experts // ep)
+               for name, shape in list(SHAPES.items()) if name != "debug" for ep in RANK_SHARES})
 
 VARIANTS = ("stock", "stock_compiled", "stock_fp8", "mega_moe_bf16", "mega_moe")
 """Stock TorchTitan eager (the reference every error is measured against), the same
@@ -185,6 +191,10 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
                    help="mega_moe fused, with --save-gemm1: rows saved, as a multiple of the mean a rank "
                         f"receives; the backward recomputes the others (default {DEFAULT_SAVE_GEMM1_LOAD})")
+    p.add_argument("--capacity-factor", type=positive_int, default=1,
+                   help="mega_moe fused: capacity_tokens_per_rank as this multiple of --tokens (default 1); its "
+                        "buffers then hold what a routing over that many times the ranks can bring, so one GPU "
+                        "measures the memory that EP = this factor sizes for")
     p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
     p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
     p.add_argument("--memory", action="store_true",
@@ -257,6 +267,7 @@ def worker_argv(args) -> list[str]:
         "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
         "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
         "--comm-sms", str(args.comm_sms), "--reserved-sms", str(args.reserved_sms), "--save-gemm1-load", str(args.save_gemm1_load),
+        "--capacity-factor", str(args.capacity_factor),
         "--warmup", str(args.warmup), "--iters", str(args.iters),
         "--out", args.out,
     ]
@@ -586,11 +597,13 @@ def times_text(result, forward_only) -> str:
 def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say):
     """One (shape, tokens) row: every variant on the same inputs."""
     shape = SHAPES[shape_name]
+    capacity = tokens * args.capacity_factor
     for name in MEGA_VARIANTS:
         if name in layers:
-            # The fused backend sizes its buffers for the row's tokens per rank.
+            # The fused backend sizes its buffers for the row's tokens per rank (times
+            # --capacity-factor).
             experts = layers[name].experts
-            experts.settings = experts.settings.replace(capacity_tokens_per_rank=tokens)
+            experts.settings = experts.settings.replace(capacity_tokens_per_rank=capacity)
     g = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
     x = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
     dy = torch.randn(1, tokens, shape.hidden, device=device, dtype=dtype, generator=g)
@@ -612,7 +625,7 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             from titan_megamoe import fused, symm
 
             held = fused.symmetric_bytes(layer.experts.settings.precision.name,
-                                         capacity_tokens_per_rank=tokens, hidden=shape.hidden)
+                                         capacity_tokens_per_rank=capacity, hidden=shape.hidden)
             result["symmetric_memory_gib"] = held / 2**30
             if not symm.in_caching_allocator(dist.group.WORLD):
                 result["peak_memory_gib"] += result["symmetric_memory_gib"]
@@ -658,7 +671,9 @@ def describe(meta) -> str:
         precision += " (auto: bf16, as with no torchao grouped-MM converter)"
     fused = ""
     if meta["backend"] == "fused":
+        capacity = meta["capacity_factor"]
         fused = (f", comm_sms {meta['comm_sms']}, reserved_sms {meta['reserved_sms']}, "
+                 + (f"buffers for {capacity}x the tokens/rank, " if capacity > 1 else "")
                  + (f"GEMM1 saved for the backward up to {meta['save_gemm1_load']}x the mean load"
                     if meta["save_gemm1"] else "GEMM1 recomputed for the backward"))
     return (
@@ -784,6 +799,7 @@ def run(args, device, note) -> None:
         "precision": args.precision_name, "precision_requested": args.precision,
         "backend": args.resolved_backend, "backend_reason": args.backend_reason,
         "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "reserved_sms": args.reserved_sms,
+        "capacity_factor": args.capacity_factor,
         "save_gemm1": args.save_gemm1, "save_gemm1_load": args.save_gemm1_load, "forward_only": args.forward_only, "iters": args.iters,
         "warmup": args.warmup,
     }

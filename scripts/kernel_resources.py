@@ -159,10 +159,10 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
         for score_before in (False, True):
             # Half the mean load saved: the backward's launch for the rows past them compiles
             # too. The backward consumes them: one per call.
-            saved = torch.empty(preact_shape(fshape, tiles, 0.5), dtype=torch.bfloat16) if save else None
-            _, _, routing = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
-                                          PROGRAMS, 10.0, preact=saved)
-            fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, buffers, grad, score_before,
+            saved = torch.empty(preact_shape(fshape, tiles, 0.5, TOKENS_PER_RANK), dtype=torch.bfloat16) if save else None
+            _, _, routing, call = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
+                                                PROGRAMS, 10.0, preact=saved)
+            fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, call, buffers, grad, score_before,
                            COMM_PROGRAMS, PROGRAMS, 10.0)
 
 

@@ -73,7 +73,7 @@ class MegaMoE:
 
     save_gemm1_load: float = DEFAULT_SAVE_GEMM1_LOAD
     """Fused backend, with ``save_gemm1``: how many rows a layer keeps, as a multiple of
-    the rows a rank receives on average (capacity x top-k); rows past it, when the
+    the rows a rank receives on average (the call's tokens x top-k); rows past it, when the
     routing loads a rank more, are recomputed by the backward (every row any routing can
     bring is about EP x the mean: 1.25 keeps 0.48 GiB per layer for Qwen3-30B-A3B at
     16,384 tokens at EP 2, 0.47 at EP 8, where saving every row would keep 0.77 and 3.0)."""

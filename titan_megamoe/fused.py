@@ -56,7 +56,6 @@ class CallPlan:
     """What every call of one kind (``_plan``) needs beyond its tensors."""
 
     buffers: ForwardBuffers
-    preact_shape: tuple[int, int]
     comm_programs: int
     num_programs: int
 
@@ -117,7 +116,7 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
             del _PLANS[stale]
     sized_for = f"{dataclasses.replace(shape, rank=0)} precision {settings.precision.name}, {tiles}"
     buffers = ForwardBuffers(shape, tiles, device, symm.allocator(group, device, sized_for))
-    rows, cols = preact_shape(shape, tiles, settings.save_gemm1_load)
+    rows, cols = preact_shape(shape, tiles, settings.save_gemm1_load, shape.capacity_tokens_per_rank)
     target, _ = fused_support.arch(device)
     logger.info(
         f"mega_moe fused: {settings.precision.name} GEMMs on {target}: "
@@ -141,7 +140,8 @@ def _grad_buffers(group: symm.Group, buffers: ForwardBuffers, settings: Operator
         grad = GradBuffers(buffers, allocate, settings.precision, grad_tiles)
         logger.info(
             f"mega_moe fused: backward buffers {grad.symmetric_bytes / 2**30:.2f} GiB symmetric, "
-            f"plus {per_call_bytes(buffers, grad) / 2**30:.2f} GiB per backward call"
+            f"plus per backward call up to {per_call_bytes(buffers, grad) / 2**30:.2f} GiB (a routing that "
+            "brings every row it can; a call holds its rows' share)"
         )
         _GRAD_BUFFERS[id(buffers)] = grad
     return _GRAD_BUFFERS[id(buffers)]
@@ -249,7 +249,8 @@ def saved_shapes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings
     routing = (routing_numel(shape, *topk_idx.shape),)
     if not settings.save_gemm1:
         return (0, 2 * w1.shape[1]), routing
-    return preact_shape(shape, _tiles(x.device, settings.precision.forward), settings.save_gemm1_load), routing
+    return (preact_shape(shape, _tiles(x.device, settings.precision.forward), settings.save_gemm1_load, x.shape[0]),
+            routing)
 
 
 def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
@@ -277,18 +278,20 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
         if reason:
             raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
         buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
-        plan = CallPlan(buffers, saved_shapes(x, topk_idx, w1, group, settings)[0],
-                        *_programs(x, group, settings))
+        plan = CallPlan(buffers, *_programs(x, group, settings))
         _PLANS[key] = plan
     return plan
 
 
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,
-                settings: OperatorSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, tokens per local expert, saved pre-activations, routing)``."""
+                settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+    """``(y, tokens per local expert, saved pre-activations, routing, call)``; ``call``:
+    the call's number on its buffers, an int64 scalar in host memory."""
     plan = _plan(x, topk_idx, w1, group, settings)
-    preact = x.new_empty(plan.preact_shape)
-    y, tokens_per_expert, routing = fused_forward(
+    buffers = plan.buffers
+    preact = x.new_empty(preact_shape(buffers.shape, buffers.tiles, settings.save_gemm1_load, x.shape[0])
+                         if settings.save_gemm1 else (0, 2 * w1.shape[1]))
+    y, tokens_per_expert, routing, call = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         plan.buffers,
         score_before_experts,
@@ -297,19 +300,21 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
     )
-    return y, tokens_per_expert, preact, routing
+    return y, tokens_per_expert, preact, routing, torch.tensor(call, dtype=torch.int64)
 
 
 def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routing: torch.Tensor,
-                 group: symm.Group, score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
-    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` and ``routing`` as the forward returned them.
-    The backward consumes ``saved``; a second backward over the same graph
+                 call: torch.Tensor, group: symm.Group, score_before_experts: bool,
+                 settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved``, ``routing`` and ``call`` as the forward
+    returned them. The backward consumes ``saved``; a second backward over the same graph
     (``retain_graph``) recomputes GEMM1 instead."""
     plan = _plan(x, topk_idx, w1, group, settings)
     return fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 and not preact_released(saved) else None,
         routing,
+        int(call),
         plan.buffers,
         _grad_buffers(group, plan.buffers, settings),
         score_before_experts,

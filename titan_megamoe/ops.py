@@ -34,15 +34,16 @@ class OpImpl:
     """What the custom ops run for one backend.
 
     ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings)
-    -> (y, tokens per local expert, saved, routing)``;
-    ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group,
-    score_before_experts, settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved``
-    and ``routing`` are what the forward kept for it (GEMM1's pre-activations, or 0 rows;
-    the rows' order by expert, int32, or 0 elements);
+    -> (y, tokens per local expert, saved, routing, call)``;
+    ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group,
+    score_before_experts, settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved``,
+    ``routing`` and ``call`` are what the forward kept for it (GEMM1's pre-activations, or
+    0 rows; the rows' order by expert, int32, or 0 elements; the forward's number among
+    the backend's calls, an int64 scalar in host memory, or 0);
     ``saved_shapes(x, topk_idx, w1, group, settings)`` are their shapes (for fake tensors).
     """
 
-    forward: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
+    forward: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
     saved_shapes: Callable[..., tuple[tuple[int, int], tuple[int]]]
 
@@ -72,10 +73,11 @@ def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_expe
         x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
     )
     saved, routing = _nothing_saved(x, topk_idx, w1, group, settings)
-    return y, tokens_per_expert, x.new_empty(saved), x.new_empty(routing, dtype=torch.int32)
+    return (y, tokens_per_expert, x.new_empty(saved), x.new_empty(routing, dtype=torch.int32),
+            torch.zeros((), dtype=torch.int64))
 
 
-def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group, score_before_experts,
+def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group, score_before_experts,
                         settings):
     return reference.moe_backward(
         dy, x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision,
@@ -189,7 +191,7 @@ def moe_forward(
     group_name: str,
     score_before_experts: bool,
     settings: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     decoded = OperatorSettings.decode(settings)
     return _op(decoded).forward(
         x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded
@@ -201,7 +203,7 @@ def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, setting
     decoded = OperatorSettings.decode(settings)
     saved, routing = _op(decoded).saved_shapes(x, topk_idx, w1, _group(group_name), decoded)
     return (torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64), x.new_empty(saved),
-            x.new_empty(routing, dtype=torch.int32))
+            x.new_empty(routing, dtype=torch.int32), torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("titan_megamoe::moe_backward", mutates_args=())
@@ -215,18 +217,19 @@ def moe_backward(
     w3: Tensor,
     saved: Tensor,
     routing: Tensor,
+    call: Tensor,
     group_name: str,
     score_before_experts: bool,
     settings: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     decoded = OperatorSettings.decode(settings)
     return _op(decoded).backward(
-        dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, _group(group_name), score_before_experts, decoded
+        dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, _group(group_name), score_before_experts, decoded
     )
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group_name, score_before_experts, settings):
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group_name, score_before_experts, settings):
     return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
 
 
@@ -240,10 +243,10 @@ class _MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
-        y, tokens_per_local_expert, saved, routing = torch.ops.titan_megamoe.moe_forward(
+        y, tokens_per_local_expert, saved, routing, call = torch.ops.titan_megamoe.moe_forward(
             x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings
         )
-        ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, saved, routing)
+        ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, saved, routing, call)
         ctx.mark_non_differentiable(tokens_per_local_expert)
         ctx.set_materialize_grads(False)
         ctx.group_name = group_name

@@ -45,7 +45,7 @@ class OperatorSettings:
     rounds them to that dtype, so that both backends compute the same gradients."""
     save_gemm1_load: float = DEFAULT_SAVE_GEMM1_LOAD
     """Fused, with ``save_gemm1``: the saved pre-activations hold the rows a rank receives
-    up to this multiple of the mean (``capacity_tokens_per_rank`` x top-k rows, plus half an
+    up to this multiple of the mean (the call's tokens x top-k rows, plus half an
     alignment's padding per local expert), at most every row any routing can bring
     (about EP x the mean); the backward recomputes GEMM1 for the rows past them. Sizes
     what each layer keeps."""

@@ -68,10 +68,12 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
         def fused_call():
             poison_fused_buffers()
-            y, counts, preact, routing = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-            assert preact.shape[0] == (fused.saved_shapes(x, idx, w1, None, settings)[0][0] if save else 0)
-            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, routing, None, score_before, settings)
-            return y, counts, grads, preact.shape[0]
+            y, counts, *kept = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+            saved_rows = kept[0].shape[0]
+            assert saved_rows == (fused.saved_shapes(x, idx, w1, None, settings)[0][0] if save else 0)
+            _check_rows_held(fused._plan(x, idx, w1, None, settings).buffers, int(kept[-1]), counts, case)
+            grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, *kept, None, score_before, settings)
+            return y, counts, grads, saved_rows
 
         y, counts, grads, saved_rows = fused_call()
         if load < 1:  # the routing's layout reaches past the saved rows
@@ -93,6 +95,7 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
     if rank == world - 1:
         _check_input_reuse(dtype, tolerance)
+        _check_received_record(dtype, tolerance)
     (buffers,) = fused._BUFFERS.values()
     (grad,) = fused._GRAD_BUFFERS.values()
     held = buffers.symmetric_bytes + grad.symmetric_bytes
@@ -109,6 +112,45 @@ def _check_against_reference(rank, world, dtype, tolerance):
         assert all(b1 - b0 == -(-r // step) * step for b0, b1, r in zip(starts, starts[1:], rows)), (starts, rows)
 
 
+def _check_rows_held(buffers, call, counts, case):
+    """The forward's record holds the rows it received (each expert's aligned), and its
+    backward's buffers per received row hold those and a tile past them, fewer than the
+    receive buffer's when the call brings fewer rows than the capacity."""
+    from titan_megamoe.kernels.backward import rows_to_hold
+
+    align, bm = buffers.tiles.row_align, buffers.tiles.block_m
+    received = sum(-(-int(c) // align) * align for c in counts)
+    assert rows_to_hold(buffers, call, timeout_s=1.0) == (received, min(received + bm, buffers.recv.shape[0])), case
+    if received + bm < buffers.recv.shape[0]:
+        assert rows_to_hold(buffers, call, timeout_s=1.0)[1] < buffers.recv.shape[0], case
+
+
+def _check_received_record(dtype, tolerance):
+    """A backward whose forward's record was overwritten (``RECEIVED_SLOTS`` calls later)
+    holds what any routing brings, says so once, and computes the same gradients; a record
+    never written fails the wait past its deadline, naming the call."""
+    from titan_megamoe import fused, reference
+    from titan_megamoe.precision import get_precision
+
+    settings = _settings()
+    x, idx, w, w1, w2, w3 = _problem(20, "random", seed=5, dtype=dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    kept = fused.moe_forward(x, idx, w, w1, w2, w3, None, False, settings)[2:]
+    buffers = fused._plan(x, idx, w1, None, settings).buffers
+    call = int(kept[-1])
+    slots = buffers.received.shape[0]
+    buffers.received[call % slots, 0] = call + slots
+    assert not buffers.warned_unsized
+    grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, *kept, None, False, settings)
+    assert buffers.warned_unsized
+    f32 = [t.float() for t in (x, w1, w2, w3)]
+    expected = reference.moe_backward(dy.float(), f32[0], idx, w, *f32[1:], None, False, get_precision("bf16"))
+    for name, got, want in zip(GRADIENTS, grads, expected):
+        assert reference.relative_error(got, want) < tolerance, ("record overwritten", name)
+    with pytest.raises(RuntimeError, match=f"call {buffers.calls + 1} had not published"):
+        buffers.received_rows(buffers.calls + 1, timeout_s=0.05)
+
+
 def _check_input_reuse(dtype, tolerance):
     """The backward reuses the received expert inputs only when its forward was the last
     call on the buffers: two forwards then two backwards resend them (and match the
@@ -121,8 +163,8 @@ def _check_input_reuse(dtype, tolerance):
     dys = [torch.randn(p[0].shape, generator=torch.Generator().manual_seed(i)).to(dtype) for i, p in enumerate(problems)]
     poison_fused_buffers()
     saved = [fused.moe_forward(*p, None, False, settings)[2:] for p in problems]
-    for p, dy, (preact, routing) in zip(problems, dys, saved):
-        grads = fused.moe_backward(dy, *p, preact, routing, None, False, settings)
+    for p, dy, kept in zip(problems, dys, saved):
+        grads = fused.moe_backward(dy, *p, *kept, None, False, settings)
         f32 = [t.float() for t in (p[0], *p[3:])]
         expected = reference.moe_backward(dy.float(), f32[0], p[1], p[2], *f32[1:], None, False,
                                           get_precision("bf16"))
@@ -130,9 +172,9 @@ def _check_input_reuse(dtype, tolerance):
             assert reference.relative_error(got, want) < tolerance, ("interleaved", name)
 
     p, dy = problems[0], dys[0]
-    preact, routing = fused.moe_forward(*p, None, False, settings)[2:]
+    kept = fused.moe_forward(*p, None, False, settings)[2:]
     poison_fused_buffers()
-    grads = fused.moe_backward(dy, *p, preact, routing, None, False, settings)
+    grads = fused.moe_backward(dy, *p, *kept, None, False, settings)
     assert not torch.isfinite(grads[2]).all(), "the inputs were sent again"
 
 
@@ -395,8 +437,8 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
         w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
         dy = torch.randn(num_tokens, hidden, generator=g)
         poison_fused_buffers()
-        y, counts, preact, routing = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-        grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, preact, routing, None, score_before, settings)
+        y, counts, *kept = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+        grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, *kept, None, score_before, settings)
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
         case = (precision, tile_changes, num_tokens, routing, score_before, save)

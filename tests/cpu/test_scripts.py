@@ -53,6 +53,7 @@ sm_sharing = load_script("sm_sharing")
         (["--variants", "stock,mega"], ["--variants", "'mega'"]),
         (["--precision", "fp4"], ["--precision", "'fp4'"]),
         (["--backend", "magic"], ["--backend", "'magic'"]),
+        (["--capacity-factor", "0"], ["--capacity-factor", "'0'"]),
         # The fused backend cannot run on the CPU: refused with the reason, before any rank starts.
         (["--backend", "fused"], ["--backend fused", "cannot run here"]),
         (["--variants", "stock,stock_compiled"], ["--variants", "stock_compiled needs a GPU"]),
@@ -112,7 +113,7 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
 def test_bench_layer_launcher_passes_what_it_resolved():
     args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
                                            "--save-gemm1", "--save-gemm1-load", "0.5", "--memory",
-                                           "--reserved-sms", "8"])
+                                           "--reserved-sms", "8", "--capacity-factor", "3"])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
     assert vars(again) == vars(args)
@@ -237,7 +238,7 @@ def _meta(forward_only: bool, variants) -> dict:
         "device": "cpu", "ep": 2, "dist_backend": "gloo", "dtype": "float32",
         "shapes": ["debug"], "tokens": [64, 128], "variants": list(variants),
         "precision": "bf16", "precision_requested": "bf16", "backend": "reference",
-        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "reserved_sms": 0,
+        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "reserved_sms": 0, "capacity_factor": 1,
         "save_gemm1": False,
         "forward_only": forward_only, "iters": 3, "warmup": 1, "matmul_peak_tflops": None,
     }

@@ -140,6 +140,16 @@ def _reserve_local_memory(loaded: dict) -> None:
         assert cuda.cuCtxSetLimit(stack_size_limit, ctypes.c_size_t(frame)) == 0, frame
 
 
+def _publish_received(buffers, call: int, ranks, rank: int, local: int) -> None:
+    """Write what the layout kernel of forward ``call`` would have written into rank
+    ``rank``'s received-rows record (the load-only pass runs no kernel; its backward reads
+    the record): the rows it receives, each local expert's aligned."""
+    counts = torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _, _ in ranks]), minlength=EXPERTS)
+    align = buffers.tiles.row_align
+    rows = sum(-(-c // align) * align for c in counts[rank * local:(rank + 1) * local].tolist())
+    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows])
+
+
 def _synchronize() -> None:
     """Wait for every rank's stream; a stopped kernel raises with the ranks' records."""
     from titan_megamoe import fused
@@ -177,6 +187,8 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
         for r, (x, idx, w, dy) in enumerate(ranks):
             with torch.cuda.stream(group.ranks[r].stream):
                 dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
+                _publish_received(fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers,
+                                  int(dry[-1]), ranks, r, local)
                 fused.moe_backward(dy, x, idx, w, *shards[r], *dry[2:], group.ranks[r], False, settings)
     _synchronize()
     _reserve_local_memory(loaded)
