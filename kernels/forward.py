@@ -144,6 +144,9 @@ class ForwardBuffers:
         """The deadline of the last call (for the failure message)."""
         self.calls = 0
         """Calls (forward or backward) made on these buffers, counted on the host."""
+        self.received_wait_s = 0.0
+        """Host seconds backwards have spent waiting for their forward's record to be
+        written (``received_rows``); tools that time the host leave them out."""
         self.warned_unsized = False
         """Whether a backward said it could not size its buffers by its forward's rows."""
         self.resident = None
@@ -169,12 +172,14 @@ class ForwardBuffers:
         has (raises if the call failed, or past ``timeout_s``). None if that slot has since
         been written by a call ``RECEIVED_SLOTS`` or more later."""
         slot = self.received[call % RECEIVED_SLOTS.value]
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while True:
             written, rows = slot.tolist()
             # The kernel writes the rows before the call: a second read of the call tells
             # whether the slot was rewritten between the two.
             if written == call and slot[RECEIVED_CALL.value].item() == call:
+                self.received_wait_s += time.monotonic() - start
                 return rows
             if written > call:
                 return None

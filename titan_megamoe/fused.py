@@ -195,6 +195,12 @@ def _start_reporting() -> None:
     threading.Thread(target=poll, name="mega_moe-failure-report", daemon=True).start()
 
 
+def received_wait_s() -> float:
+    """Host seconds backwards have spent so far waiting for the device to run their
+    forward's layout kernel (``ForwardBuffers.received_rows``), over every buffer set."""
+    return sum(b.received_wait_s for b in list(_BUFFERS.values()))
+
+
 def _symmetric_bytes(buffers: ForwardBuffers) -> int:
     """Bytes of ``buffers``' symmetric buffers and, once allocated, their backward's."""
     grad = _GRAD_BUFFERS.get(id(buffers))
