@@ -299,7 +299,7 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
                          if settings.save_gemm1 else (0, 2 * w1.shape[1]))
     y, tokens_per_expert, routing, call = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
-        plan.buffers,
+        buffers,
         score_before_experts,
         plan.comm_programs,
         plan.num_programs,
