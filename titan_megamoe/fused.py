@@ -247,16 +247,22 @@ def _programs(x: torch.Tensor, group: symm.Group, settings: OperatorSettings) ->
     return settings.comm_sms or min(DEFAULT_COMM_PROGRAMS, num_programs - 1), num_programs
 
 
+def _saved_preact_shape(shape: ForwardShape, tiles: TileConfig, settings: OperatorSettings,
+                        num_tokens: int) -> tuple[int, int]:
+    """The pre-activations a call of ``num_tokens`` saves: ``preact_shape``, or 0 rows when
+    GEMM1 is recomputed instead."""
+    if not settings.save_gemm1:
+        return 0, 2 * shape.inter
+    return preact_shape(shape, tiles, settings.save_gemm1_load, num_tokens)
+
+
 def saved_shapes(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings
                  ) -> tuple[tuple[int, int], tuple[int]]:
-    """Shapes of what the forward returns for its backward: the pre-activations (0 rows
-    when GEMM1 is recomputed instead) and the routing (``kernels.forward.sort_rows``)."""
+    """Shapes of what the forward returns for its backward: the pre-activations
+    (``_saved_preact_shape``) and the routing (``kernels.forward.sort_rows``)."""
     shape = _shape(x, topk_idx, w1, group, settings)
-    routing = (routing_numel(shape, *topk_idx.shape),)
-    if not settings.save_gemm1:
-        return (0, 2 * w1.shape[1]), routing
-    return (preact_shape(shape, _tiles(x.device, settings.precision.forward), settings.save_gemm1_load, x.shape[0]),
-            routing)
+    tiles = _tiles(x.device, settings.precision.forward)
+    return _saved_preact_shape(shape, tiles, settings, x.shape[0]), (routing_numel(shape, *topk_idx.shape),)
 
 
 def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> CallPlan:
@@ -295,8 +301,7 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
     the call's number on its buffers, an int64 scalar in host memory."""
     plan = _plan(x, topk_idx, w1, group, settings)
     buffers = plan.buffers
-    preact = x.new_empty(preact_shape(buffers.shape, buffers.tiles, settings.save_gemm1_load, x.shape[0])
-                         if settings.save_gemm1 else (0, 2 * w1.shape[1]))
+    preact = x.new_empty(_saved_preact_shape(buffers.shape, buffers.tiles, settings, x.shape[0]))
     y, tokens_per_expert, routing, call = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         buffers,
