@@ -27,7 +27,9 @@ Quantized: ``x`` and ``dy`` are quantized once per token before the first kernel
 weights and their transposes (each in its own orientation) on every call for now, the
 dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run quantized on
 token-major copies of their operands quantized along the rows, as the spec says
-(``kernels.wgrad``), instead of torch's grouped GEMM; or, MX on GPUs without an MX MMA
+(``kernels.wgrad``), instead of torch's grouped GEMM; where the experts are deep enough
+(``TileConfig.wgrad_library_macs``), torch's blockwise-scaled matmul runs each expert's
+product on the same copies instead of ``wgrad_kernel``; or, MX on GPUs without an MX MMA
 (``mx_wgrad_dequantized``), torch's grouped GEMM on copies in the receive layout quantized
 along the rows and dequantized (the same values). Native weight gradients after a
 quantized forward take torch's grouped GEMM on the rows as they crossed: unquantized
@@ -45,6 +47,7 @@ import logging
 
 import torch
 import triton
+from torch.nn.functional import ScalingType, scaled_mm
 
 from titan_megamoe.kernels.backward_dispatch_gemm1 import (
     ALL_TILES,
@@ -286,12 +289,58 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     )
 
 
-def rows_to_hold(buffers: ForwardBuffers, forward_call: int, timeout_s: float) -> tuple[int, int]:
-    """``(received, hold)``: the rows this rank received in ``forward_call`` (each local
-    expert's aligned; the backward routes the same rows), and how many rows a buffer
-    indexed by receive row must hold for them: a tile's rows past the last expert's
-    (``layout``), at most the receive buffer's. A forward whose record was overwritten
-    (``ForwardBuffers.received_rows``) gives the receive buffer's, said once in the log."""
+def runs_library_wgrad(tiles: TileConfig, per_expert: tuple[int, ...] | None, a_cols: int, b_cols: int) -> bool:
+    """Whether the quantized weight gradient ``A_e^T B_e`` (``a_cols`` x ``b_cols`` per
+    expert) runs ``_library_wgrad``: the tile row's ``wgrad_library_macs`` reached by the
+    mean expert's multiply-adds, and each expert's rows known (``rows_to_hold``)."""
+    if not tiles.wgrad_library_macs or per_expert is None:
+        return False
+    return sum(per_expert) * a_cols * b_cols >= tiles.wgrad_library_macs * len(per_expert)
+
+
+def _library_wgrad(tiles: TileConfig, fmt: Format, per_expert: tuple[int, ...],
+                   a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                   outs: tuple[torch.Tensor, ...]) -> None:
+    """``_quantized_wgrad``'s products through torch's blockwise-scaled matmul
+    (``torch.nn.functional.scaled_mm``, 1 x 128 blocks on both operands; on Hopper a
+    cuBLASLt fp8 GEMM, ``TileConfig.wgrad_library_macs``), one launch per local expert
+    over its token range of the token-major copies (each expert's rows padded to whole
+    spans, as ``_token_block_starts`` lays them out; the host knows them from the
+    forward's record); experts without rows get zeros."""
+    token_block, span = fmt.activation_block[1], _token_span(tiles, fmt)
+    if token_block != 128 or fmt.scaled_mma:
+        raise ValueError(f"torch's blockwise-scaled matmul takes blockwise fp8 (1 x 128 blocks, fp32 scales); "
+                         f"format {fmt.name} has 1 x {token_block} blocks{' for an MX MMA' if fmt.scaled_mma else ''}")
+    (at, at_scales), (bt, bt_scales) = a, b
+    # scaled_mm takes the scales outer-dimension major: [K blocks, columns].
+    at_scales, bt_scales = at_scales.t().contiguous(), bt_scales.t().contiguous()
+    split = outs[0].shape[1] if len(outs) == 2 else 0
+    k0 = 0
+    for e, rows in enumerate(per_expert):
+        k1 = k0 + triton.cdiv(rows, span) * span
+        if k1 == k0:
+            for out in outs:
+                out[e].zero_()
+            continue
+        blocks = slice(k0 // token_block, k1 // token_block)
+        product = scaled_mm(at[:, k0:k1], bt[:, k0:k1].t(), at_scales[blocks].t(), ScalingType.BlockWise1x128,
+                            bt_scales[blocks].t(), ScalingType.BlockWise1x128, output_dtype=outs[0].dtype)
+        if split:
+            outs[0][e].copy_(product[:split])
+            outs[1][e].copy_(product[split:])
+        else:
+            outs[0][e].copy_(product)
+        k0 = k1
+
+
+def rows_to_hold(buffers: ForwardBuffers, forward_call: int,
+                 timeout_s: float) -> tuple[int, int, tuple[int, ...] | None]:
+    """``(received, hold, per_expert)``: the rows this rank received in ``forward_call``
+    (each local expert's aligned; the backward routes the same rows), how many rows a
+    buffer indexed by receive row must hold for them (a tile's rows past the last
+    expert's, ``layout``, at most the receive buffer's), and each local expert's rows. A
+    forward whose record was overwritten (``ForwardBuffers.received_rows``) gives the
+    receive buffer's rows and no expert's, said once in the log."""
     most = buffers.recv.shape[0]
     received = buffers.received_rows(forward_call, timeout_s)
     if received is None:
@@ -300,10 +349,10 @@ def rows_to_hold(buffers: ForwardBuffers, forward_call: int, timeout_s: float) -
             logger.warning(
                 f"mega_moe fused backward: the record of forward call {forward_call} was overwritten by calls made "
                 f"since ({RECEIVED_SLOTS.value} or more); its backward holds {most} rows per row buffer, what "
-                "any routing can bring"
+                "any routing can bring, and its quantized weight gradients run wgrad_kernel"
             )
-        return most - buffers.tiles.block_m, most
-    return received, min(received + buffers.tiles.block_m, most)
+        return most - buffers.tiles.block_m, most, None
+    return received.total, min(received.total + buffers.tiles.block_m, most), received.per_expert
 
 
 def release_preact(preact: torch.Tensor) -> None:
@@ -405,7 +454,7 @@ def fused_backward(
                            else (transposed_side_by_side([w1, w3], tiles.transpose_block), None))
     # Launched above: what does not depend on the rows received. The forward's record of
     # them has usually long been written; the buffers below hold one row per received row.
-    received, hold = rows_to_hold(buffers, forward_call, timeout_s)
+    received, hold, per_expert = rows_to_hold(buffers, forward_call, timeout_s)
     # Rows past the saved ones (when the routing brought them) recompute GEMM1.
     recompute_past_saved = preact is not None and saved_rows < received
     dab = torch.empty(hold, 2 * shape.inter, dtype=shape.dtype, device=x.device)
@@ -484,7 +533,13 @@ def fused_backward(
         # beside two copies, not beside [da | db] (v32).
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
         token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, received)
-        wgrad = functools.partial(_quantized_wgrad, buffers, tiles, wgrad_fmt, starts)
+
+        def wgrad(a, b, outs):
+            if runs_library_wgrad(tiles, per_expert, a[0].shape[0], b[0].shape[0]):
+                _library_wgrad(tiles, wgrad_fmt, per_expert, a, b, outs)
+            else:
+                _quantized_wgrad(buffers, tiles, wgrad_fmt, starts, a, b, outs)
+
         h_major = token_major(h_wgrad, None, shape.inter)
         del h_wgrad
         dab_major = token_major(dab, None, 2 * shape.inter)

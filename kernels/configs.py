@@ -68,6 +68,14 @@ class TileConfig:
     wgrad_warps: int = 8
     wgrad_stages: int = 3
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
+    wgrad_library_macs: int = 0
+    """Blockwise fp8 only. A quantized weight gradient (dW1 with dW3, or dW2) runs torch's
+    blockwise-scaled matmul (``torch.nn.functional.scaled_mm`` with 1 x 128 blocks: on
+    Hopper a cuBLASLt fp8 GEMM that applies each block's scales inside its pipelined
+    mainloop, where ``tl.dot`` waits for its MMAs before every promotion), one launch per
+    local expert, instead of ``wgrad_kernel``, where its mean expert's multiply-adds (rows
+    x output elements) reach this many: a launch per expert pays off only for deep experts
+    (0: never)."""
     token_major_cols: int = 128
     """Columns of a token-major copy program (one token block by this many columns); must
     divide the row scale block of an operand that arrives quantized, or hold whole ones."""
@@ -194,7 +202,11 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # where GEMM1 was saved. Token-major copies 64 columns wide: a 128x64 fp32 tile in 128
     # threads keeps more programs per SM than 128x128 (34% faster). Weight gradients in
     # 64x128 tiles of 4 warps, 3 stages: two programs per SM, so one's epilogue overlaps
-    # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16).
+    # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16). Where
+    # the mean expert brings 2^34 multiply-adds or more to a weight gradient, torch's
+    # blockwise-scaled matmul, one launch per expert, runs it instead: 786-884 TFLOP/s
+    # against wgrad_kernel's 556-579 at 8,192 rows per expert; slower below 2^34
+    # (30B-A3B dW1/dW3 at 4,096 rows: 532 against 596; v34).
     # Dispatch copies of 16 whole e4m3 rows (2,048 columns) per step: a copy waits on its
     # loads, and wider steps keep more bytes in flight (GEMM1 kernel 8% faster, v17).
     # GEMM1 claims its next tile before the mainloop: 6-7% faster here (bf16's GEMM1 ran
@@ -208,6 +220,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_cols=64,
+        wgrad_library_macs=2**34,
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA. MX values are exact in bf16, so the
     # operands are held in bf16 rounded to MX (mx_in_bf16) and every GEMM runs the bf16

@@ -9,7 +9,7 @@ and read on the device, and every grid is sized by capacity. A failure on the de
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -25,8 +25,9 @@ from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import (
     RECEIVED_CALL,
+    RECEIVED_COUNTS,
+    RECEIVED_ROWS,
     RECEIVED_SLOTS,
-    RECEIVED_WORDS,
     STATE_WORDS,
     STATUS_WORDS,
     FlagLayout,
@@ -38,6 +39,16 @@ TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 RECEIVED_POLL_S = 20e-6
 """How long ``received_rows`` sleeps between reads of a record not yet written."""
+
+
+class ReceivedRows(NamedTuple):
+    """What a forward's layout kernel records of the rows this rank received
+    (``ForwardBuffers.received_rows``)."""
+
+    total: int
+    """All of them, each local expert's padded to ``row_align``."""
+    per_expert: tuple[int, ...]
+    """Each local expert's."""
 
 SymmetricAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """``(shape, dtype) -> (this rank's zeroed buffer, int64 tensor of every rank's address)``."""
@@ -124,7 +135,8 @@ class ForwardBuffers:
             self.h_scales = None
         pinned = device.type == "cuda"
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
-        self.received = torch.zeros(RECEIVED_SLOTS.value, RECEIVED_WORDS.value, dtype=torch.int64, pin_memory=pinned)
+        self.received = torch.zeros(RECEIVED_SLOTS.value, RECEIVED_COUNTS.value + shape.local_experts,
+                                    dtype=torch.int64, pin_memory=pinned)
         """The received-rows record (``sync``), in host memory: ``received_rows`` reads it."""
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
         self.state[sync.STATUS_ADDR.value] = self.status.data_ptr()
@@ -165,22 +177,23 @@ class ForwardBuffers:
         held = (self.h, self.h_scales)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
-    def received_rows(self, call: int, timeout_s: float) -> int | None:
-        """The rows this rank received in ``call`` (a forward's, ``fused_forward``), each
-        local expert's padded to ``row_align``, read from the record its layout kernel
-        writes into host memory: at once if the device has run that kernel, else once it
-        has (raises if the call failed, or past ``timeout_s``). None if that slot has since
-        been written by a call ``RECEIVED_SLOTS`` or more later."""
+    def received_rows(self, call: int, timeout_s: float) -> ReceivedRows | None:
+        """The rows this rank received in ``call`` (a forward's, ``fused_forward``), read
+        from the record its layout kernel writes into host memory: at once if the device
+        has run that kernel, else once it has (raises if the call failed, or past
+        ``timeout_s``). None if that slot has since been written by a call
+        ``RECEIVED_SLOTS`` or more later."""
         slot = self.received[call % RECEIVED_SLOTS.value]
         start = time.monotonic()
         deadline = start + timeout_s
         while True:
-            written, rows = slot.tolist()
+            words = slot.tolist()
+            written = words[RECEIVED_CALL.value]
             # The kernel writes the rows before the call: a second read of the call tells
             # whether the slot was rewritten between the two.
             if written == call and slot[RECEIVED_CALL.value].item() == call:
                 self.received_wait_s += time.monotonic() - start
-                return rows
+                return ReceivedRows(words[RECEIVED_ROWS.value], tuple(words[RECEIVED_COUNTS.value:]))
             if written > call:
                 return None
             self.raise_if_failed()

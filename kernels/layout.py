@@ -31,7 +31,7 @@ Outputs (int32 unless noted):
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
     the received-rows record's slot of ``call`` (``sync``): the rows I receive, each
-    local expert's padded to ROW_ALIGN
+    local expert's padded to ROW_ALIGN, and local_rows
     state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the
     tile counters of this call
 """
@@ -49,9 +49,9 @@ from titan_megamoe.kernels.sync import (
     NUM_ITEMS,
     RECEIVED_ADDR,
     RECEIVED_CALL,
+    RECEIVED_COUNTS,
     RECEIVED_ROWS,
     RECEIVED_SLOTS,
-    RECEIVED_WORDS,
     RECOMPUTE_NEXT_TILE,
     TIMEOUT_NS,
     fail,
@@ -162,8 +162,9 @@ def layout_kernel(
     tl.store(tokens_per_expert + lane, my_rows.to(tl.int64), mask=mine)
     tl.store(state + NUM_BLOCKS, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M)
     received = tl.load(state + RECEIVED_ADDR).to(tl.pointer_type(tl.int64)) + (
-        call % RECEIVED_SLOTS) * RECEIVED_WORDS
+        call % RECEIVED_SLOTS) * (RECEIVED_COUNTS + local_experts)
     tl.store(received + RECEIVED_ROWS, tl.sum(tl.sum(tl.where(owner, aligned, 0), axis=1), axis=0).to(tl.int64))
+    tl.store(received + RECEIVED_COUNTS + lane, my_rows.to(tl.int64), mask=mine)
     tl.atomic_xchg(received + RECEIVED_CALL, call, sem="release", scope="sys")
     s2 = tl.arange(0, EP_PAD)[:, None]
     from_s = (s2 < ep) & (le < local_experts)

@@ -79,16 +79,18 @@ RECEIVED_ADDR = tl.constexpr(8)
 """Address of the received-rows record (host memory, below)."""
 STATE_WORDS = 9
 
-# The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows].
-# The layout kernel of call n (as the host counts calls: ``ForwardBuffers.calls``, passed
-# to it) writes, into slot n % RECEIVED_SLOTS, the rows this rank receives in that call,
-# each local expert's padded to its alignment: first the rows, then n (release, sys). The
-# host reads the slot of a forward's call when its backward sizes the buffers that hold
-# one row per received row, without synchronising (the backward routes the same rows).
+# The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows,
+# rows of local expert 0, 1, ...] (RECEIVED_COUNTS + local experts words). The layout
+# kernel of call n (as the host counts calls: ``ForwardBuffers.calls``, passed to it)
+# writes, into slot n % RECEIVED_SLOTS, the rows this rank receives in that call (each
+# local expert's padded to its alignment) and each local expert's rows: first the rows,
+# then n (release, sys). The host reads the slot of a forward's call when its backward
+# sizes the buffers that hold one row per received row and splits the weight gradients
+# by expert, without synchronising (the backward routes the same rows).
 RECEIVED_SLOTS = tl.constexpr(1024)
 RECEIVED_CALL = tl.constexpr(0)
 RECEIVED_ROWS = tl.constexpr(1)
-RECEIVED_WORDS = tl.constexpr(2)
+RECEIVED_COUNTS = tl.constexpr(2)
 
 ABORT = tl.constexpr(0)
 """ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without

@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from titan_megamoe import fused
 from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
+from titan_megamoe.kernels.backward import runs_library_wgrad
 from titan_megamoe.kernels import configs
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import PRECISION_CHOICES, get_precision
@@ -56,16 +57,21 @@ from bench_layer import SHAPES, matmul_peak_tflops, memory_at_peak, positive_flo
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
 
-def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool) -> dict[str, int]:
+def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool,
+                library_wgrad: tuple[bool, bool] = (False, False)) -> dict[str, int]:
     """Expert-GEMM FLOPs per call of each fused GEMM kernel for ``rows`` received rows
     (what its mainloops compute; a recomputed GEMM1 counts); bf16's weight gradients run
-    in torch's grouped GEMMs, which the table does not name."""
+    in torch's grouped GEMMs, which the table does not name, and so do the quantized
+    weight gradients (dW1 with dW3, dW2) that ``library_wgrad`` says run torch's
+    blockwise-scaled matmul (``backward.runs_library_wgrad``)."""
     unit = 2 * rows * hidden * inter  # one [rows, H] x [H, I] product
     flops = {"dispatch_gemm1_kernel": 2 * unit, "rows_gemm_combine_kernel": unit}
     if backward:
         flops["rows_gemm_combine_kernel"] += 2 * unit  # dgrad: [da | db] [W1 | W3]^T
         flops["dispatch_grad_gemm1_kernel"] = unit + (0 if save_gemm1 else 2 * unit)
-        flops["wgrad_kernel"] = 3 * unit
+        library_dw13, library_dw2 = library_wgrad
+        if not (library_dw13 and library_dw2):
+            flops["wgrad_kernel"] = (0 if library_dw13 else 2 * unit) + (0 if library_dw2 else unit)
     return flops
 
 
@@ -259,7 +265,13 @@ def main():
                 y.backward(dy)
             return received
 
-        rows = int(call().sum())  # this rank's received rows (same inputs every variant)
+        received = call()  # this rank's received rows per local expert (same inputs every variant)
+        rows = int(received.sum())
+        hidden, inter = SHAPES[args.shape].hidden, SHAPES[args.shape].inter
+        grad_tiles = configs.TILE_CONFIGS[arch, precision.dgrad.name]
+        per_expert = tuple(received.tolist())
+        library = (runs_library_wgrad(grad_tiles, per_expert, 2 * inter, hidden),
+                   runs_library_wgrad(grad_tiles, per_expert, hidden, inter))
 
         for _ in range(2):
             call()
@@ -280,7 +292,7 @@ def main():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.name[:60]] += e.device_time / args.iters / 1e3
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
-                          "kernels_ms": dict(kernels)}
+                          "kernels_ms": dict(kernels), "library_wgrad": library}
         if args.host:
             wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
             results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
@@ -290,8 +302,8 @@ def main():
             results[label]["memory"] = memory
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
-        hidden, inter = SHAPES[args.shape].hidden, SHAPES[args.shape].inter
-        flops = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1)
+        for r in results.values():
+            r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["library_wgrad"])
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
         print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "
@@ -304,13 +316,13 @@ def main():
             if "unprofiled_wall_ms" in r:
                 print(f"    without the profiler: {r['unprofiled_wall_ms']:.3f} ms per call, the host issued "
                       f"one in {r['unprofiled_host_ms']:.3f} ms (GPU held busy)")
-            print("\n".join(kernel_lines(r["kernels_ms"], flops, peak)))
+            print("\n".join(kernel_lines(r["kernels_ms"], r["stage_flops"], peak)))
             if "memory" in r:
                 print("\n".join(memory_lines(r["memory"])))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         summary = {"args": vars(args), "ep": world, "rows_rank0": rows, "peak_tflops": peak,
-                   "roofline_ms": roofline, "stage_flops": flops, "results": results}
+                   "roofline_ms": roofline, "results": results}
         (out / "profile_layer.json").write_text(json.dumps(summary, indent=2))
         if host_profiles:
             (out / "host_profile.txt").write_text(

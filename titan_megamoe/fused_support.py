@@ -45,9 +45,12 @@ def arch(device: torch.device) -> tuple[str | None, str]:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def _cuda_arch(index: int) -> tuple[str | None, str]:
     """``arch`` of CUDA device ``index``, asked of the driver once: a device's capability
-    never changes, and every call of the operator checks it."""
+    never changes, and every call of the operator checks it. A constant to
+    ``torch.compile``, which cannot trace the driver's answers (a full graph around the
+    operator would fail on them)."""
     major, minor = torch.cuda.get_device_capability(index)
     name = torch.cuda.get_device_name(index)
     if torch.version.hip is not None:

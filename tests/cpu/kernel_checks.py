@@ -397,3 +397,63 @@ def check_dequantized_rows(device, seed: int) -> None:
             else:
                 want = expected.to(dtype)
                 assert torch.equal(got, want), case + (_first_difference(got, want),)
+
+
+def blockwise_scaled_mm_stand_in(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+    """``torch.nn.functional.scaled_mm`` with 1 x 128 blocks on both operands, as it takes
+    them on Hopper (it checks these layouts and raises otherwise), in float64: ``a [M, K]``
+    K-major, ``b [K, N]`` K-major (a transposed view), the scales ``[M, K / 128]`` and
+    ``[N, K / 128]`` outer-dimension major. For devices where torch has no such GEMM."""
+    from torch.nn.functional import ScalingType
+
+    assert recipe_a == recipe_b == ScalingType.BlockWise1x128
+    (m, k), n = a.shape, b.shape[1]
+    assert a.stride(1) == 1 and b.stride(0) == 1 and k % 128 == 0, (a.stride(), b.stride())
+    assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    assert scale_b.shape == (n, k // 128) and scale_b.stride() == (1, n), (scale_b.shape, scale_b.stride())
+    a64 = (a.double().view(m, k // 128, 128) * scale_a.double()[:, :, None]).view(m, k)
+    b64 = (b.t().double().view(n, k // 128, 128) * scale_b.double()[:, :, None]).view(n, k)
+    return (a64 @ b64.T).to(output_dtype)
+
+
+def check_library_wgrad(device, seed: int) -> None:
+    """The quantized weight gradients through the blockwise-scaled matmul
+    (``backward._library_wgrad``, each expert's token range of the token-major copies by
+    the rows the host knows) against ``wgrad_kernel`` on the same copies (the device's
+    row of the tile table; its ``block_start`` the device's layout of the same rows):
+    experts without rows, of one token and of several token blocks, one output and two
+    (dW1 and dW3 from ``[da | db]``)."""
+    from types import SimpleNamespace
+
+    from titan_megamoe.kernels import backward
+    from titan_megamoe.kernels.configs import arch_of, tile_config
+
+    tiles = tile_config(arch_of(torch.cuda.get_device_capability() if device == "cuda" else None), FP8_BLOCK.name)
+    g = torch.Generator().manual_seed(seed)
+    per_expert = (40, 0, 300, 1, 0)
+    span, block = backward._token_span(tiles, FP8_BLOCK), FP8_BLOCK.activation_block[1]
+    spans = [triton.cdiv(r, span) for r in per_expert]
+    kt = (sum(spans) + 1) * span  # a span past the last expert's, as the copies' length allows
+    block_start = torch.tensor([0, *itertools.accumulate(s * span // block for s in spans)], dtype=torch.int32)
+
+    def token_major(cols):
+        live = torch.zeros(kt, dtype=torch.bool)
+        for start, rows in zip(block_start.tolist(), per_expert):
+            live[start * block:start * block + rows] = True
+        q = torch.where(live, torch.randn(cols, kt, generator=g), 0.0)  # the copies' padding tokens 0
+        return q.to(torch.float8_e4m3fn).to(device), (torch.rand(cols, kt // block, generator=g) + 0.5).to(device)
+
+    m, n = 128, 160  # dW1 and dW3 each a whole number of tiles
+    a, b = token_major(m), token_major(n)
+    layout = SimpleNamespace(shape=SimpleNamespace(local_experts=len(per_expert)))
+    for outs_of in (lambda: (torch.full((len(per_expert), m, n), float("nan")),),
+                    lambda: tuple(torch.full((len(per_expert), m // 2, n), float("nan")) for _ in range(2))):
+        want, got = (tuple(t.to(torch.bfloat16).to(device) for t in outs_of()) for _ in range(2))
+        backward._quantized_wgrad(layout, tiles, FP8_BLOCK, block_start.to(device), a, b, want)
+        backward._library_wgrad(tiles, FP8_BLOCK, per_expert, a, b, got)
+        for w, o in zip(want, got):
+            for e, rows in enumerate(per_expert):
+                if rows == 0:
+                    assert torch.equal(o[e], torch.zeros_like(o[e])), e
+                else:
+                    assert relative_error(o[e].float(), w[e].float()) < 1e-2, (e, relative_error(o[e].float(), w[e].float()))

@@ -166,16 +166,18 @@ def poison_fused_buffers() -> None:
                 t.fill_(float("nan"))
 
 
-def assert_compiles_like_eager(settings: OperatorSettings, x, idx, w, w1, w2, w3) -> None:
-    """``mega_moe`` with ``settings`` traces under ``torch.compile(fullgraph=True)`` (fake
-    implementations, autograd formula, the settings string) and gives, output and
-    gradients, exactly what it gives eagerly."""
+def assert_compiles_like_eager(settings: OperatorSettings, x, idx, w, w1, w2, w3, backend: str = "aot_eager",
+                               group=None) -> None:
+    """``mega_moe`` with ``settings`` (over ``group``) traces under ``torch.compile(fullgraph=True)``
+    with ``backend`` (fake implementations, autograd formula, the settings string; Inductor
+    also lowers the graph around the operator) and gives, output and gradients, exactly
+    what it gives eagerly."""
 
     def layer(x_, w_, w1_, w2_, w3_):
-        return mega_moe(x_, idx, w_, w1_, w2_, w3_, None, score_before_experts=False, settings=settings)[0]
+        return mega_moe(x_, idx, w_, w1_, w2_, w3_, group, score_before_experts=False, settings=settings)[0]
 
     results = []
-    for fn in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+    for fn in (layer, torch.compile(layer, backend=backend, fullgraph=True)):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, w1, w2, w3)]
         y = fn(*leaves)
         y.square().sum().backward()

@@ -45,6 +45,27 @@ def test_gpu_architecture_is_asked_of_the_driver_once_per_device(monkeypatch, fr
     assert asked == [0, 1]
 
 
+def test_gpu_architecture_is_a_constant_to_torch_compile(monkeypatch, fresh_arch_cache):
+    """A full graph around the operator on a GPU traces its device check: the driver's
+    answers (``torch.cuda.get_device_name`` returns a string, which Dynamo cannot put in a
+    graph) must not be traced."""
+
+    def name(index):
+        torch._dynamo.graph_break()  # what tracing the driver's answers amounts to
+        return "a test GPU"
+
+    monkeypatch.setattr(fused_support, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", name)
+
+    def sm90_only(x):
+        target, _ = fused_support.arch(torch.device("cuda", 0))
+        return x + 1 if target == "sm90" else x
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(sm90_only, backend="eager", fullgraph=True)(torch.zeros(2)), torch.ones(2))
+
+
 def _one_plan_per_kind(rank, world):
     from titan_megamoe import fused
 

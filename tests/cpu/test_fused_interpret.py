@@ -113,14 +113,15 @@ def _check_against_reference(rank, world, dtype, tolerance):
 
 
 def _check_rows_held(buffers, call, counts, case):
-    """The forward's record holds the rows it received (each expert's aligned), and its
-    backward's buffers per received row hold those and a tile past them, at most the
-    receive buffer's (fewer when the call brings fewer rows than the capacity)."""
+    """The forward's record holds the rows it received (each expert's aligned) and each
+    expert's, and its backward's buffers per received row hold those and a tile past them,
+    at most the receive buffer's (fewer when the call brings fewer rows than the capacity)."""
     from titan_megamoe.kernels.backward import rows_to_hold
 
     align, bm = buffers.tiles.row_align, buffers.tiles.block_m
     received = sum(-(-int(c) // align) * align for c in counts)
-    assert rows_to_hold(buffers, call, timeout_s=1.0) == (received, min(received + bm, buffers.recv.shape[0])), case
+    held = (received, min(received + bm, buffers.recv.shape[0]), tuple(int(c) for c in counts))
+    assert rows_to_hold(buffers, call, timeout_s=1.0) == held, case
 
 
 def _check_received_record(dtype, tolerance):

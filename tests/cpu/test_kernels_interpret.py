@@ -159,3 +159,34 @@ def test_mx_operands_held_in_bf16():
         dataclasses.replace(tiles, mx_upcast=1)
     with pytest.raises(ValueError, match="'fp8_block' has no exact bf16 form"):
         FP8_BLOCK.in_bf16()
+
+
+def _library_wgrad(rank, world):
+    from kernel_checks import blockwise_scaled_mm_stand_in, check_library_wgrad
+    from titan_megamoe.kernels import backward
+
+    backward.scaled_mm = blockwise_scaled_mm_stand_in  # torch's runs on GPUs only
+    check_library_wgrad("cpu", seed=4)
+
+
+def test_library_weight_gradients_match_wgrad_kernel(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_library_wgrad, 1, timeout_s=300)
+
+
+def test_library_weight_gradients_for_deep_experts_only():
+    """The sm90 blockwise-fp8 row takes torch's blockwise-scaled matmul where the mean
+    expert's product reaches 2^34 multiply-adds (docs/perf.md v34: 30B-A3B's dW1/dW3 at
+    8,192 rows per expert, not its dW2, nor either at 4,096), and wgrad_kernel without
+    each expert's rows."""
+    from titan_megamoe.kernels.backward import runs_library_wgrad
+    from titan_megamoe.kernels.configs import tile_config
+
+    tiles = tile_config("sm90", "fp8_block")
+    hidden, inter = 2048, 768
+    deep, half = (8192,) * 15 + (8193,), (4096,) * 32
+    assert runs_library_wgrad(tiles, deep, 2 * inter, hidden)
+    assert not runs_library_wgrad(tiles, deep, hidden, inter)
+    assert not runs_library_wgrad(tiles, half, 2 * inter, hidden)
+    assert not runs_library_wgrad(tiles, None, 2 * inter, hidden)
+    assert not runs_library_wgrad(tile_config("sm90", "native"), deep, 2 * inter, hidden)

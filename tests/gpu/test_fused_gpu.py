@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from problems import poison_fused_buffers
+from problems import assert_compiles_like_eager, poison_fused_buffers
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -181,6 +181,26 @@ def test_one_gpu_other_mx_form(precision):
     run_ranks(_check_other_mx_form, 1, precision, backend="nccl", timeout_s=600)
 
 
+def _check_library_wgrad(rank: int, world: int, precision: str):
+    import dataclasses
+
+    from titan_megamoe.kernels import configs
+    from titan_megamoe.precision import get_precision
+
+    row = (configs.arch_of(torch.cuda.get_device_capability()), get_precision(precision).wgrad.name)
+    configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], wgrad_library_macs=1)
+    _check_scenarios(rank, world, precision)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_one_gpu_library_wgrad(precision):
+    """The quantized weight gradients through torch's blockwise-scaled matmul, one launch
+    per expert, in every call (the tile table takes it for deep experts only): experts
+    without rows (one expert for all), a single token."""
+    _skip_unless_fused_runs(precision)
+    run_ranks(_check_library_wgrad, 1, precision, backend="nccl", timeout_s=600)
+
+
 @pytest.mark.parametrize("precision", list(TOLERANCES))
 def test_two_gpus(precision):
     if torch.cuda.device_count() < 2:
@@ -188,3 +208,20 @@ def test_two_gpus(precision):
     _skip_unless_fused_runs(precision)
     run_ranks(_check_scenarios, 2, precision, backend="nccl", timeout_s=600)
 
+
+
+def _check_inductor(rank: int, world: int, precision: str):
+    from titan_megamoe.settings import OperatorSettings
+
+    settings = OperatorSettings(precision=precision, backend="fused", capacity_tokens_per_rank=TOKENS,
+                                save_gemm1=True)
+    assert_compiles_like_eager(settings, *_problem("random", rank, world, 11), backend="inductor",
+                               group=dist.group.WORLD if world > 1 else None)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_compiles_with_inductor(precision):
+    """Inductor compiles the graph around the fused operator (its host-scalar call number
+    included) and changes no output or gradient bit."""
+    _skip_unless_fused_runs(precision)
+    run_ranks(_check_inductor, 1, precision, backend="nccl", timeout_s=600)

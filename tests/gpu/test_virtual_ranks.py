@@ -143,11 +143,12 @@ def _reserve_local_memory(loaded: dict) -> None:
 def _publish_received(buffers, call: int, ranks, rank: int, local: int) -> None:
     """Write what the layout kernel of forward ``call`` would have written into rank
     ``rank``'s received-rows record (the load-only pass runs no kernel; its backward reads
-    the record): the rows it receives, each local expert's aligned."""
+    the record): the rows it receives, each local expert's aligned, and each expert's."""
     counts = torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _, _ in ranks]), minlength=EXPERTS)
+    mine = counts[rank * local:(rank + 1) * local].tolist()
     align = buffers.tiles.row_align
-    rows = sum(-(-c // align) * align for c in counts[rank * local:(rank + 1) * local].tolist())
-    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows])
+    rows = sum(-(-c // align) * align for c in mine)
+    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows, *mine])
 
 
 def _synchronize() -> None:
