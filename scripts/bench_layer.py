@@ -629,6 +629,11 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             result["symmetric_memory_gib"] = held / 2**30
             if not symm.in_caching_allocator(dist.group.WORLD):
                 result["peak_memory_gib"] += result["symmetric_memory_gib"]
+            else:
+                # Else this variant's buffers stay in the caching allocator through the
+                # next variant's measurement and count in its peak.
+                torch.cuda.synchronize()
+                fused.release_buffers()
         add_rates(result, fwd_flops, peak)
         if name == "stock":
             reference = (y, grads)

@@ -155,6 +155,17 @@ def prepare(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> N
     _grad_buffers(group, _plan(x, topk_idx, w1, group, settings).buffers, settings)
 
 
+def release_buffers() -> None:
+    """Drop every cached buffer set and call plan: their memory goes back to the caching
+    allocator once nothing in flight uses it, and the next call allocates them again. For
+    tools that measure one configuration after another on one rank, where the buffers
+    are plain allocations (``symm.in_caching_allocator``); torch's symmetric memory over
+    several ranks is not given back this way."""
+    _PLANS.clear()
+    _GRAD_BUFFERS.clear()
+    _BUFFERS.clear()
+
+
 def failures() -> list[str]:
     """Messages of the device-side failures recorded so far (host memory only)."""
     return [message for b in list(_BUFFERS.values()) if (message := b.failure()) is not None]

@@ -98,6 +98,13 @@ def _one_plan_per_kind(rank, world):
     assert replanned is not plan and replanned.buffers.tiles == changed
     assert fused._grad_buffers(None, replanned.buffers, sized).tiles == changed
 
+    # Released (bench_layer, between variants on one rank): no buffer set or plan is left
+    # to count in the next variant's memory, and the next call plans and allocates anew.
+    fused.release_buffers()
+    assert not (fused._BUFFERS or fused._GRAD_BUFFERS or fused._PLANS)
+    fresh = fused._plan(x, idx, w1, None, sized)
+    assert fresh is not replanned and list(fused._BUFFERS.values()) == [fresh.buffers]
+
 
 def test_fused_backend_plans_each_kind_of_call_once(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
