@@ -45,8 +45,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from titan_megamoe import fused
 from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
-from titan_megamoe.kernels.backward import runs_library_wgrad
 from titan_megamoe.kernels import configs
+from titan_megamoe.kernels.backward import runs_library_wgrad
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
