@@ -123,6 +123,10 @@ def test_tile_rows_meet_the_kernels_constraints():
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
             fmt.scaled_mma and tiles.row_align % fmt.activation_block[1] == 0), row
+        # torch's blockwise-scaled matmul takes 1 x 128 fp32 scales (``_library_wgrad``),
+        # and runs on GPUs only.
+        assert not tiles.wgrad_library_macs or (
+            arch != "interpret" and fmt.quantized and not fmt.scaled_mma and fmt.activation_block[1] == 128), row
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]
