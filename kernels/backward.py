@@ -94,7 +94,6 @@ class GradBuffers:
     def __init__(self, forward: ForwardBuffers, symmetric: SymmetricAllocator, precision: Precision,
                  tiles: TileConfig):
         shape = forward.shape
-        rows = forward.recv.shape[0]
         if tiles.block_m != forward.tiles.block_m:
             raise ValueError(f"the backward's tiles have block_m = {tiles.block_m}, the forward's "
                              f"{forward.tiles.block_m}: both kernels read one receive layout")
@@ -122,10 +121,18 @@ class GradBuffers:
         self._w13_as_stored_below = tiles.w13_as_stored_rows * shape.local_experts if whole_k_steps else 0
         self.wgrad_format = precision.wgrad
         """Format of the weight-gradient GEMMs."""
-        self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, self.dy_link.row_scale_k)
-        self.recv_score, self.recv_score_ptrs = symmetric((rows,), torch.float32)
+        self._symmetric, self._hidden, self._dtype = symmetric, shape.hidden, shape.dtype
+        self._allocate_rows(forward.recv.shape[0])
+        forward.on_grow(self._allocate_rows)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
+
+    def _allocate_rows(self, rows: int) -> None:
+        """(Re)allocate the receive buffers of the ``dy`` rows and the scores, ``rows`` each,
+        collectively, as the forward's grow (``ForwardBuffers.on_grow``)."""
+        self.recv_grad = self.recv_grad_scales = self.recv_score = None
+        self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
+            self._symmetric, rows, self._hidden, self._dtype, self.dy_link.row_scale_k)
+        self.recv_score, self.recv_score_ptrs = self._symmetric((rows,), torch.float32)
 
     def reads_w13_as_stored(self, num_tokens: int, top_k: int) -> bool:
         """Whether a call of ``num_tokens`` tokens has the dgrad GEMM read W1 and W3 as stored
@@ -340,7 +347,8 @@ def rows_to_hold(buffers: ForwardBuffers, forward_call: int,
     buffer indexed by receive row must hold for them (a tile's rows past the last
     expert's, ``layout``, at most the receive buffer's), and each local expert's rows. A
     forward whose record was overwritten (``ForwardBuffers.received_rows``) gives the
-    receive buffer's rows and no expert's, said once in the log."""
+    receive buffer's rows (buffers only grow: at least that forward's) and no expert's,
+    said once in the log."""
     most = buffers.recv.shape[0]
     received = buffers.received_rows(forward_call, timeout_s)
     if received is None:
@@ -348,8 +356,8 @@ def rows_to_hold(buffers: ForwardBuffers, forward_call: int,
             buffers.warned_unsized = True
             logger.warning(
                 f"mega_moe fused backward: the record of forward call {forward_call} was overwritten by calls made "
-                f"since ({RECEIVED_SLOTS.value} or more); its backward holds {most} rows per row buffer, what "
-                "any routing can bring, and its quantized weight gradients run wgrad_kernel"
+                f"since ({RECEIVED_SLOTS.value} or more); its backward holds {most} rows per row buffer, the "
+                "receive buffers' rows, and its quantized weight gradients run wgrad_kernel"
             )
         return most - buffers.tiles.block_m, most, None
     return received.total, min(received.total + buffers.tiles.block_m, most), received.per_expert
@@ -406,7 +414,9 @@ def fused_backward(
     if routing.dtype != torch.int32 or routing.shape != (expected,):
         raise ValueError(f"the forward's routing is {routing.dtype} of shape {tuple(routing.shape)}; expected "
                          f"int32 of shape ({expected},) for {num_tokens} tokens x top-{top_k} (sort_rows)")
-    rows = buffers.recv.shape[0]
+    # Saved rows past the receive buffer's (``receive_load`` below ``save_gemm1_load``)
+    # belong to no tile: every tile is then saved.
+    rows = shape.most_receive_rows(buffers.tiles)
     saved_rows = 0 if preact is None else preact.shape[0]
     if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows):
         raise ValueError(

@@ -1,11 +1,16 @@
 """Host side of the fused forward: the buffers it needs, the routing layout (shared with
 the backward), the four launches, and the checks every call makes before launching.
 
-Nothing here synchronises with the host: counts, offsets and tile counts are computed
-and read on the device, and every grid is sized by capacity. A failure on the device
-(``sync``) is read from the status record, which lives in host memory.
+Counts, offsets and tile counts are computed and read on the device, and every grid is
+sized by capacity. The host waits for the device in one place only: where the receive
+buffers hold fewer rows than any routing can bring (``ForwardShape.receive_load``), a
+forward, its launches made, reads from host memory the most rows its layout kernel found
+any rank receives; where they did not fit, the layout let the kernels do nothing, and the
+forward grows the buffers and runs again (``ForwardBuffers.grow_to_fit``). A failure on
+the device (``sync``) is read from the status record, also in host memory.
 """
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import (
     RECEIVED_CALL,
     RECEIVED_COUNTS,
+    RECEIVED_MOST,
     RECEIVED_ROWS,
     RECEIVED_SLOTS,
     STATE_WORDS,
@@ -34,11 +40,18 @@ from titan_megamoe.kernels.sync import (
 )
 from titan_megamoe.precision import NATIVE, Format
 
+logger = logging.getLogger(__name__)
+
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 """Activation dtypes as the kernels name them (the rounding of ``h`` before quantizing)."""
 
 RECEIVED_POLL_S = 20e-6
 """How long ``received_rows`` sleeps between reads of a record not yet written."""
+
+RECEIVE_GROWTH = 1.25
+"""Receive buffers that must grow (``ForwardBuffers.grow_to_fit``) take this multiple of the
+rows that did not fit, at most what any routing can bring: a load that creeps up makes
+the group allocate (collectively) seldom."""
 
 
 class ReceivedRows(NamedTuple):
@@ -47,6 +60,8 @@ class ReceivedRows(NamedTuple):
 
     total: int
     """All of them, each local expert's padded to ``row_align``."""
+    most: int
+    """The most any rank of the group receives, counted as ``total``."""
     per_expert: tuple[int, ...]
     """Each local expert's."""
 
@@ -75,18 +90,40 @@ class ForwardShape:
     """Quantized rows only: the backward sends the expert inputs again in ``dtype``
     (``Precision.backward_link``) into the same receive buffer, which is sized for either
     (``ForwardBuffers.recv_native`` views it so)."""
+    receive_load: float = 0.0
+    """Rows the receive buffers hold at first, as a multiple of the mean a rank receives
+    (``rows_per_rank``, each local expert's padding added); 0: every row any routing can
+    bring (``OperatorSettings.receive_load``)."""
 
     @property
     def rows_per_rank(self) -> int:
         return self.capacity_tokens_per_rank * self.top_k
 
-    def receive_rows(self, tiles: TileConfig) -> int:
-        """Rows of the receive buffer: every source's every row (any routing fits), each
-        expert's alignment padding (``TileConfig.row_align``), and a tile's rows of slack
-        that the last expert's last tile reads past its rows (``layout``)."""
+    def _buffer_rows(self, received: int, tiles: TileConfig) -> int:
+        """Rows of a receive buffer that holds ``received`` rows (each local expert's
+        aligned), and a tile's rows of slack that the last expert's last tile reads past
+        its rows (``layout``)."""
         align = tiles.row_align
-        rows = self.ep * self.rows_per_rank + self.local_experts * (align - 1)
-        return math.ceil(rows / align) * align + tiles.block_m
+        return math.ceil(received / align) * align + tiles.block_m
+
+    def most_receive_rows(self, tiles: TileConfig) -> int:
+        """Rows of a receive buffer that any routing fits: every source's every row, each
+        expert's alignment padding (``TileConfig.row_align``)."""
+        return self._buffer_rows(self.ep * self.rows_per_rank + self.local_experts * (tiles.row_align - 1), tiles)
+
+    def receive_rows(self, tiles: TileConfig) -> int:
+        """Rows of the receive buffers as first allocated: ``receive_load`` times the mean,
+        or ``most_receive_rows`` where that is fewer or the load is 0."""
+        most = self.most_receive_rows(tiles)
+        if not self.receive_load:
+            return most
+        mean = self.rows_per_rank + self.local_experts * (tiles.row_align - 1)
+        return min(most, self._buffer_rows(math.ceil(self.receive_load * mean), tiles))
+
+    def grown_receive_rows(self, received: int, tiles: TileConfig) -> int:
+        """Rows of receive buffers grown for a call in which a rank receives ``received``
+        rows: ``RECEIVE_GROWTH`` times them, at most ``most_receive_rows``."""
+        return min(self.most_receive_rows(tiles), self._buffer_rows(math.ceil(RECEIVE_GROWTH * received), tiles))
 
 
 class ForwardBuffers:
@@ -97,6 +134,10 @@ class ForwardBuffers:
     arrays, the per-call state and the status record (in host memory on GPUs, so the host
     can read a failure without synchronising). Every call runs on the stream the buffers
     were made on: the protocol orders one stream's calls, not two.
+
+    The buffers with a row per received row (the receive buffer, its rows' origins, ``h``,
+    and those ``on_grow`` adds) hold ``ForwardShape.receive_rows``; where that is fewer
+    than any routing can bring, they grow when a call brings more (``grow_to_fit``).
     """
 
     def __init__(self, shape: ForwardShape, tiles: TileConfig, device: torch.device,
@@ -108,17 +149,14 @@ class ForwardBuffers:
         rows cross the link (and ``h`` is stored) in ``dtype``; e4m3, they cross it as e4m3
         with one scale per ``row_scale_k`` elements, and the receive buffer carries the
         scales."""
-        scale_k = self.row_format.row_scale_k
-        bm = self.tiles.block_m
-        rows = shape.receive_rows(self.tiles)
         self.flag_layout = FlagLayout(
             ep=shape.ep,
             local_experts=shape.local_experts,
-            max_chunks=math.ceil(shape.rows_per_rank / bm),
+            max_chunks=math.ceil(shape.rows_per_rank / self.tiles.block_m),
         )
-        self.recv, self.recv_scales, self.recv_ptrs, self.recv_native = row_buffer(
-            symmetric, rows, shape.hidden, shape.dtype, scale_k, shape.native_resend)
-        self.recv_meta, self.recv_meta_ptrs = symmetric((rows,), torch.int32)
+        self._symmetric, self._device = symmetric, device
+        self._grow_hooks: list[Callable[[int], None]] = []
+        self._allocate_rows(shape.receive_rows(tiles))
         self.combine, self.combine_ptrs = symmetric((shape.rows_per_rank, shape.hidden), shape.dtype)
         self.flags, self.flag_ptrs = symmetric((self.flag_layout.words,), torch.int64)
 
@@ -126,13 +164,6 @@ class ForwardBuffers:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         num_experts = shape.ep * shape.local_experts
-        if scale_k:
-            self.h = torch.empty(rows, shape.inter, dtype=torch.float8_e4m3fn, device=device)
-            h_scale_cols = math.ceil(shape.inter / scale_k)
-            self.h_scales = torch.empty(rows, h_scale_cols, dtype=torch.float32, device=device)
-        else:
-            self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=device)
-            self.h_scales = None
         pinned = device.type == "cuda"
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
         self.received = torch.zeros(RECEIVED_SLOTS.value, RECEIVED_COUNTS.value + shape.local_experts,
@@ -157,12 +188,75 @@ class ForwardBuffers:
         self.calls = 0
         """Calls (forward or backward) made on these buffers, counted on the host."""
         self.received_wait_s = 0.0
-        """Host seconds backwards have spent waiting for their forward's record to be
-        written (``received_rows``); tools that time the host leave them out."""
+        """Host seconds calls have spent waiting for a record to be written
+        (``received_rows``: a backward for its forward's, a forward that checks its rows
+        fit for its own); tools that time the host leave them out."""
         self.warned_unsized = False
         """Whether a backward said it could not size its buffers by its forward's rows."""
         self.resident = None
         """``(call, inputs_key)`` of the forward whose expert inputs the receive buffer holds."""
+
+    def _allocate_rows(self, rows: int) -> None:
+        """(Re)allocate the buffers with a row per received row, ``rows`` each (symmetric
+        ones collectively)."""
+        shape, scale_k = self.shape, self.row_format.row_scale_k
+        # The old buffers go first (nothing in flight reads them: ``grow_to_fit``).
+        self.recv = self.recv_scales = self.recv_native = self.recv_meta = self.h = self.h_scales = None
+        self.recv, self.recv_scales, self.recv_ptrs, self.recv_native = row_buffer(
+            self._symmetric, rows, shape.hidden, shape.dtype, scale_k, shape.native_resend)
+        self.recv_meta, self.recv_meta_ptrs = self._symmetric((rows,), torch.int32)
+        if scale_k:
+            self.h = torch.empty(rows, shape.inter, dtype=torch.float8_e4m3fn, device=self._device)
+            self.h_scales = torch.empty(rows, math.ceil(shape.inter / scale_k), dtype=torch.float32,
+                                        device=self._device)
+        else:
+            self.h = torch.empty(rows, shape.inter, dtype=shape.dtype, device=self._device)
+            self.h_scales = None
+
+    def on_grow(self, allocate_rows: Callable[[int], None]) -> None:
+        """Have ``grow_to_fit`` also call ``allocate_rows(rows)`` when the buffers grow (the
+        backward's buffers per received row)."""
+        self._grow_hooks.append(allocate_rows)
+
+    @property
+    def capacity_rows(self) -> int:
+        """The most rows (each local expert's aligned) a call may bring a rank: the
+        receive buffers' rows less the tile of slack (``layout``)."""
+        return self.recv.shape[0] - self.tiles.block_m
+
+    def checks_fit(self) -> bool:
+        """Whether a routing can bring a rank more rows than ``capacity_rows``."""
+        return self.recv.shape[0] < self.shape.most_receive_rows(self.tiles)
+
+    def grow_to_fit(self, call: int, timeout_s: float) -> bool:
+        """After a forward's first run (``call``, its launches made): where a routing can
+        bring more rows than the receive buffers hold, read from its record the most rows
+        any rank of the group receives (the host waits for the device to have run that
+        call's layout kernel, ``received_rows``). Where they did not fit, the layout let
+        the call do nothing (``layout``); grow every buffer with a row per received row to
+        ``ForwardShape.grown_receive_rows`` and return True: the forward runs again.
+
+        Every rank reads the same count for the same call, so all grow alike, collectively.
+        Nothing in flight touches the old buffers: the call's kernels stored nothing, and
+        its count exchange, the call's start barrier, ran after every peer's earlier calls."""
+        if not self.checks_fit():
+            return False
+        received = self.received_rows(call, timeout_s)
+        if received is None:
+            raise RuntimeError(f"mega_moe fused forward: call {call}'s record was overwritten before it was read")
+        if received.most <= self.capacity_rows:
+            return False
+        grown = self.shape.grown_receive_rows(received.most, self.tiles)
+        logger.info(
+            f"mega_moe fused: call {call} brings a rank {received.most} rows, more than the receive buffers' "
+            f"{self.capacity_rows}: every rank grows them to {grown - self.tiles.block_m} rows and runs the "
+            f"call again (receive_load {self.shape.receive_load} sized them for "
+            f"{self.shape.receive_rows(self.tiles) - self.tiles.block_m})"
+        )
+        self._allocate_rows(grown)
+        for allocate_rows in self._grow_hooks:
+            allocate_rows(grown)
+        return True
 
     @property
     def symmetric_bytes(self) -> int:
@@ -193,14 +287,15 @@ class ForwardBuffers:
             # whether the slot was rewritten between the two.
             if written == call and slot[RECEIVED_CALL.value].item() == call:
                 self.received_wait_s += time.monotonic() - start
-                return ReceivedRows(words[RECEIVED_ROWS.value], tuple(words[RECEIVED_COUNTS.value:]))
+                return ReceivedRows(words[RECEIVED_ROWS.value], words[RECEIVED_MOST.value],
+                                    tuple(words[RECEIVED_COUNTS.value:]))
             if written > call:
                 return None
             self.raise_if_failed()
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"mega_moe fused backward: the forward's call {call} had not published the rows it "
-                    f"received after {timeout_s:.1f} s (its record holds call {written})"
+                    f"mega_moe fused: call {call} had not published the rows it received after "
+                    f"{timeout_s:.1f} s (its record holds call {written})"
                 )
             time.sleep(RECEIVED_POLL_S)
 
@@ -264,6 +359,9 @@ def describe_failure(status: list[int], timeout_s: float) -> str | None:
     if code == sync.BAD_EXPERT_ID.value:
         what = (f"rank {rank}: topk_idx holds expert id {seen}, outside [0, {expected}) "
                 f"(sorted row {index}) in call {call}")
+    elif code == sync.RECEIVE_OVERFLOW.value:
+        what = (f"rank {rank}: call {call} brings rank {index} {seen} rows, more than the {expected} its receive "
+                "buffers hold, after its forward grew them")
     elif code == sync.PEER_FAILED.value:
         what = (f"rank {rank} stopped in call {call} because rank {index} failed "
                 f"({sync.FAILURES.get(seen, seen)})")
@@ -345,11 +443,13 @@ def split_routing(routing: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
 
 
 def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffers, timeout_s: float,
-           needs_input: bool = True) -> torch.Tensor:
+           needs_input: bool = True, skip_overflow: bool = False) -> torch.Tensor:
     """Run the layout kernel on a call's routing (``sort_rows``): a new epoch, whose count
     exchange is also the call's start barrier (``sync``). ``needs_input``: whether the
-    peers must send this rank its expert inputs (published as NEEDS_INPUT). Returns the
-    rows received per local expert (int64)."""
+    peers must send this rank its expert inputs (published as NEEDS_INPUT).
+    ``skip_overflow``: rows that do not fit the receive buffers make the call do nothing
+    (a forward's first run, ``ForwardBuffers.grow_to_fit``), not fail. Returns the rows
+    received per local expert (int64)."""
     shape, flags = buffers.shape, buffers.flag_layout
     flat = topk_idx.reshape(-1)
     order, send_start = split_routing(routing, flat.numel())
@@ -360,11 +460,13 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
         order, flat, flat.numel(), send_start, buffers.flags, buffers.flag_ptrs, buffers.state,
         buffers.dest_start, buffers.item_start, buffers.local_base, buffers.block_base, buffers.local_rows,
         buffers.src_offset, buffers.src_rows, tokens_per_expert, shape.rank, shape.ep,
-        shape.local_experts, int(needs_input), int(timeout_s * 1e9), buffers.calls,
+        shape.local_experts, int(needs_input), int(timeout_s * 1e9), buffers.calls, buffers.capacity_rows,
+        int(skip_overflow),
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
         EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
         ROW_ALIGN=buffers.tiles.row_align, num_warps=4,
     )
+    after_launches(buffers)  # what follows a failed layout must not run on its arrays
     return tokens_per_expert
 
 
@@ -379,7 +481,7 @@ def preact_shape(shape: ForwardShape, tiles: TileConfig, load: float, num_tokens
     align = tiles.row_align
     mean = num_tokens * shape.top_k
     rows = math.ceil(load * (mean + shape.local_experts * align // 2) / align) * align
-    return min(rows, shape.receive_rows(tiles)), 2 * shape.inter
+    return min(rows, shape.most_receive_rows(tiles)), 2 * shape.inter
 
 
 def fused_forward(
@@ -404,17 +506,17 @@ def fused_forward(
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
     receives GEMM1's pre-activations of the receive layout's first rows for the backward. With a quantized
     ``buffers.row_format`` the weights are quantized in its weight blocks and ``x`` once
-    per token before the kernels send it (held in bf16: rounded so).
+    per token before the kernels send it (held in bf16: rounded so). A first run whose
+    rows did not fit the receive buffers did nothing; the second runs on grown buffers
+    (``ForwardBuffers.grow_to_fit``).
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "forward")
     ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
     routing = sort_rows(topk_idx, buffers)
-    tokens_per_expert = layout(topk_idx, routing, buffers, timeout_s)
     order, send_start = split_routing(routing, topk_idx.numel())
-    buffers.resident = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
-
+    inputs = inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts)
     fmt = buffers.row_format
     w1_scales = w2_scales = w3_scales = sent_scales = None
     sent = x
@@ -423,39 +525,48 @@ def fused_forward(
         (w1, w1_scales), (w2, w2_scales), (w3, w3_scales) = quantize_weights([w1, w2, w3], fmt, in_bf16)
         if not score_before_experts:
             sent, sent_scales = quantize_rows(x, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
-    launch(dispatch_gemm1_kernel, (num_programs,),
-        sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
-        buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
-        buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.block_base,
-        buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
-        buffers.h if preact is None else preact, 0 if preact is None else preact.shape[0],
-        shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
-        HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
-        SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=preact is not None,
-        COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
-        EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
-        BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
-        COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
-        W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
-        ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
-        num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
-    )
-    launch(rows_gemm_combine_kernel, (num_programs,),
-        buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
-        buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
-        buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank, shape.ep,
-        shape.local_experts, shape.rows_per_rank,
-        N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
-        COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-        TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-        SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        W_AS_STORED=False,
-        num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
-    )
     y = torch.empty_like(x)
-    reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
-           scale_by_score=not score_before_experts, score_dot=False)
-    after_launches(buffers)
+
+    def run(first: bool) -> torch.Tensor:
+        tokens_per_expert = layout(topk_idx, routing, buffers, timeout_s, skip_overflow=first)
+        launch(dispatch_gemm1_kernel, (num_programs,),
+            sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
+            buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
+            buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.block_base,
+            buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales, w3, w3_scales, buffers.h, buffers.h_scales,
+            buffers.h if preact is None else preact, 0 if preact is None else preact.shape[0],
+            shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
+            HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
+            SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=preact is not None,
+            COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
+            EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
+            BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
+            COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
+            W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
+            ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
+            num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
+        )
+        launch(rows_gemm_combine_kernel, (num_programs,),
+            buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
+            buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
+            buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank, shape.ep,
+            shape.local_experts, shape.rows_per_rank,
+            N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
+            COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
+            TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
+            SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
+            W_AS_STORED=False,
+            num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
+        )
+        reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
+               scale_by_score=not score_before_experts, score_dot=False)
+        after_launches(buffers)
+        return tokens_per_expert
+
+    tokens_per_expert = run(first=True)
+    if buffers.grow_to_fit(buffers.calls, timeout_s):
+        tokens_per_expert = run(first=False)
+    buffers.resident = (buffers.calls, inputs)
     return y, tokens_per_expert, routing, buffers.calls
 
 

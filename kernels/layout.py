@@ -14,6 +14,14 @@ counts with every peer (see ``sync``), so each rank holds the full matrix
 - inside one expert, rows are ordered by source rank, and inside one source in the
   source's sorted order (token, then slot).
 
+Where the most rows any rank receives (each local expert's aligned) exceed
+``capacity_rows``, what the receive buffers hold, the call cannot run as laid out; every
+rank finds so from the same counts. ``skip_overflow`` (a forward's first run): the layout
+publishes no work (no dispatch items, no tiles), so the call's kernels pass through their
+barriers without touching a receive buffer, and the host grows the buffers and runs the
+call again (``ForwardBuffers.grow_to_fit``). Otherwise the call fails on every rank
+(``RECEIVE_OVERFLOW``).
+
 Tiles are scheduled in a second, virtual row space (``block_base``) where each local
 expert's rows are padded to whole ``BLOCK_M`` blocks, so that a tile index names one
 expert and a tile never spans two: ``tile_rows`` maps a virtual tile to its expert and to
@@ -31,9 +39,9 @@ Outputs (int32 unless noted):
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
     the received-rows record's slot of ``call`` (``sync``): the rows I receive, each
-    local expert's padded to ROW_ALIGN, and local_rows
-    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS], state[TIMEOUT_NS]; resets the
-    tile counters of this call
+    local expert's padded to ROW_ALIGN, the most any rank receives so, and local_rows
+    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS] (both 0 when the rows overflow),
+    state[TIMEOUT_NS]; resets the tile counters of this call
 """
 
 import triton
@@ -47,9 +55,11 @@ from titan_megamoe.kernels.sync import (
     GEMM2_FINISHED,
     NUM_BLOCKS,
     NUM_ITEMS,
+    RECEIVE_OVERFLOW,
     RECEIVED_ADDR,
     RECEIVED_CALL,
     RECEIVED_COUNTS,
+    RECEIVED_MOST,
     RECEIVED_ROWS,
     RECEIVED_SLOTS,
     RECOMPUTE_NEXT_TILE,
@@ -60,7 +70,9 @@ from titan_megamoe.kernels.sync import (
 )
 
 
-@triton.jit(do_not_specialize=["call"])
+# One binary for every call: a kernel first loaded mid-run can wait for the GPU to go idle
+# (CUDA's lazy loading), which peers' spinning kernels may never let happen.
+@triton.jit(do_not_specialize=["needs_input", "call", "capacity_rows", "skip_overflow"])
 def layout_kernel(
     order,
     ids,
@@ -83,6 +95,8 @@ def layout_kernel(
     needs_input,
     timeout_ns,
     call,
+    capacity_rows,
+    skip_overflow,
     COUNTS: tl.constexpr,
     COUNT_READY: tl.constexpr,
     NEEDS_INPUT: tl.constexpr,
@@ -137,6 +151,13 @@ def layout_kernel(
     )
     rows = tl.sum(counts, axis=0)  # [r, le]
     aligned = (rows + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    per_owner = tl.sum(aligned, axis=1)  # [r]
+    most = tl.max(per_owner, axis=0)
+    # Every rank derives the same verdict from the same counts.
+    overflow = most > capacity_rows
+    if overflow & (skip_overflow == 0):
+        fail(RECEIVE_OVERFLOW, tl.argmax(per_owner, axis=0), most.to(tl.int64), capacity_rows,
+             flags, flag_ptrs, state, rank, ep)
     base = tl.cumsum(aligned, axis=1) - aligned
     padded = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     virtual_base = tl.cumsum(padded, axis=1) - padded
@@ -149,7 +170,7 @@ def layout_kernel(
     per_expert = tl.sum(chunks, axis=0)
     before = (tl.cumsum(per_expert, axis=0) - per_expert)[None, :] + tl.cumsum(chunks, axis=0) - chunks
     tl.store(item_start + le * ep + r, before, mask=valid)
-    tl.store(state + NUM_ITEMS, tl.sum(tl.sum(chunks, axis=1), axis=0))
+    tl.store(state + NUM_ITEMS, tl.where(overflow, 0, tl.sum(tl.sum(chunks, axis=1), axis=0)))
 
     # What I receive, as the owner.
     lane = tl.arange(0, LOCAL_PAD)
@@ -160,10 +181,13 @@ def layout_kernel(
     tl.store(block_base + lane, tl.sum(tl.where(owner, virtual_base, 0), axis=0), mask=mine)
     tl.store(local_rows + lane, my_rows, mask=mine)
     tl.store(tokens_per_expert + lane, my_rows.to(tl.int64), mask=mine)
-    tl.store(state + NUM_BLOCKS, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M)
+    tl.store(state + NUM_BLOCKS,
+             tl.where(overflow, 0, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M))
     received = tl.load(state + RECEIVED_ADDR).to(tl.pointer_type(tl.int64)) + (
         call % RECEIVED_SLOTS) * (RECEIVED_COUNTS + local_experts)
-    tl.store(received + RECEIVED_ROWS, tl.sum(tl.sum(tl.where(owner, aligned, 0), axis=1), axis=0).to(tl.int64))
+    owners = tl.arange(0, EP_PAD)
+    tl.store(received + RECEIVED_ROWS, tl.sum(tl.where(owners == rank, per_owner, 0), axis=0).to(tl.int64))
+    tl.store(received + RECEIVED_MOST, most.to(tl.int64))
     tl.store(received + RECEIVED_COUNTS + lane, my_rows.to(tl.int64), mask=mine)
     tl.atomic_xchg(received + RECEIVED_CALL, call, sem="release", scope="sys")
     s2 = tl.arange(0, EP_PAD)[:, None]

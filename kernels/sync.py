@@ -15,7 +15,11 @@ kernel. One call, on every rank (all launches on one stream, in this order)::
                whether I need the expert inputs sent again: NEEDS_INPUT[me]   (plain stores)
                set every peer's COUNT_READY[me] = epoch                       (release, sys)
                wait COUNT_READY[s] == epoch for every source s               (acquire, sys)
-               -> every rank derives the same receive layout from COUNTS
+               -> every rank derives the same receive layout from COUNTS; where
+                  some rank's rows would not fit its receive buffers, every rank finds
+                  so: a forward's first run then publishes no work (the kernels below
+                  pass their barriers and store nothing), the host grows the buffers
+                  and runs the call again; any other call fails (RECEIVE_OVERFLOW)
     dispatch   per chunk of <= BLOCK_M rows for one expert: store the rows and their
                origin into the owner's receive buffer (the backward: also the rows of
                dy and the scores; the expert inputs only if the owner's NEEDS_INPUT),
@@ -39,7 +43,9 @@ write). Writers of call n+1 are therefore always behind the readers of call n.
 
 **Failure.** Every wait has a wall-clock deadline (``state[TIMEOUT_NS]``, the settings'
 ``timeout_s``; read from the GPU's global timer). A rank *fails* when a wait passes its
-deadline, when its expert ids are out of range, or when a peer has failed. Failing:
+deadline, when its expert ids are out of range, when a peer has failed, or when a
+call other than a forward's first run brings some rank more rows than its receive
+buffers hold (the forward's growth rules that out). Failing:
 
 1. records ``(code, rank, index, value seen, value expected, epoch)`` once in its *status*
    record (host memory, so the host reads it without synchronising);
@@ -79,18 +85,24 @@ RECEIVED_ADDR = tl.constexpr(8)
 """Address of the received-rows record (host memory, below)."""
 STATE_WORDS = 9
 
-# The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows,
+# The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows, most,
 # rows of local expert 0, 1, ...] (RECEIVED_COUNTS + local experts words). The layout
 # kernel of call n (as the host counts calls: ``ForwardBuffers.calls``, passed to it)
 # writes, into slot n % RECEIVED_SLOTS, the rows this rank receives in that call (each
-# local expert's padded to its alignment) and each local expert's rows: first the rows,
-# then n (release, sys). The host reads the slot of a forward's call when its backward
-# sizes the buffers that hold one row per received row and splits the weight gradients
-# by expert, without synchronising (the backward routes the same rows).
+# local expert's padded to its alignment), the most rows any rank of the group receives
+# (so counted; every rank derives the same figure from the same counts) and each local
+# expert's rows: first those, then n (release, sys). The host reads the slot of a
+# forward's call when its backward sizes the buffers that hold one row per received row
+# and splits the weight gradients by expert, without synchronising (the backward routes
+# the same rows); and, where the receive buffers hold fewer rows than any routing can
+# bring, when a forward, its launches made, checks whether the layout found that every
+# rank's rows fit (``ForwardBuffers.grow_to_fit``): all ranks read the same ``most`` and
+# grow alike.
 RECEIVED_SLOTS = tl.constexpr(1024)
 RECEIVED_CALL = tl.constexpr(0)
 RECEIVED_ROWS = tl.constexpr(1)
-RECEIVED_COUNTS = tl.constexpr(2)
+RECEIVED_MOST = tl.constexpr(2)
+RECEIVED_COUNTS = tl.constexpr(3)
 
 ABORT = tl.constexpr(0)
 """ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without
@@ -102,12 +114,14 @@ CHUNK_READY_TIMEOUT = tl.constexpr(2)
 COMBINE_READY_TIMEOUT = tl.constexpr(3)
 PEER_FAILED = tl.constexpr(4)
 BAD_EXPERT_ID = tl.constexpr(5)
+RECEIVE_OVERFLOW = tl.constexpr(6)
 FAILURES = {
     COUNT_READY_TIMEOUT.value: "COUNT_READY",
     CHUNK_READY_TIMEOUT.value: "CHUNK_READY",
     COMBINE_READY_TIMEOUT.value: "COMBINE_READY",
     PEER_FAILED.value: "a peer's failure",
     BAD_EXPERT_ID.value: "an expert id out of range",
+    RECEIVE_OVERFLOW.value: "receive buffers too small for a call's rows",
 }
 """Status code -> what failed (a waited flag array, a peer, or the input)."""
 

@@ -52,7 +52,7 @@ from titan_megamoe import cpu_compat
 from titan_megamoe.ops import BACKENDS, resolve_backend
 from titan_megamoe.precision import GROUPED_MM_FLOAT8, PRECISION_CHOICES, get_precision
 from titan_megamoe.reference import relative_error
-from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
+from titan_megamoe.settings import DEFAULT_RECEIVE_LOAD, DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 # TorchTitan (and the modules of this package that build on it) take seconds to import;
 # the functions that build layers import them, so that the launcher answers at once.
@@ -136,13 +136,21 @@ def nonnegative_int(text: str) -> int:
     return _int(text, 0, "an integer >= 0")
 
 
-def positive_float(text: str) -> float:
+def _float(text: str, positive: bool) -> float:
     try:
-        if float(text) > 0:
+        if float(text) > 0 or (not positive and float(text) == 0):
             return float(text)
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number {'>' if positive else '>='} 0")
+
+
+def positive_float(text: str) -> float:
+    return _float(text, positive=True)
+
+
+def nonnegative_float(text: str) -> float:
+    return _float(text, positive=False)
 
 
 def token_counts(text: str) -> list[int]:
@@ -195,6 +203,10 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                    help="mega_moe fused: capacity_tokens_per_rank as this multiple of --tokens (default 1); its "
                         "buffers then hold what a routing over that many times the ranks can bring, so one GPU "
                         "measures the memory that EP = this factor sizes for")
+    p.add_argument("--receive-load", type=nonnegative_float, default=DEFAULT_RECEIVE_LOAD,
+                   help="mega_moe fused: buffers per received row sized for this multiple of the mean a rank "
+                        "receives, grown when a call brings more; 0: for every row any routing can bring "
+                        f"(default {DEFAULT_RECEIVE_LOAD})")
     p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
     p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
     p.add_argument("--memory", action="store_true",
@@ -267,7 +279,7 @@ def worker_argv(args) -> list[str]:
         "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
         "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
         "--comm-sms", str(args.comm_sms), "--reserved-sms", str(args.reserved_sms), "--save-gemm1-load", str(args.save_gemm1_load),
-        "--capacity-factor", str(args.capacity_factor),
+        "--capacity-factor", str(args.capacity_factor), "--receive-load", str(args.receive_load),
         "--warmup", str(args.warmup), "--iters", str(args.iters),
         "--out", args.out,
     ]
@@ -679,6 +691,7 @@ def describe(meta) -> str:
         capacity = meta["capacity_factor"]
         fused = (f", comm_sms {meta['comm_sms']}, reserved_sms {meta['reserved_sms']}, "
                  + (f"buffers for {capacity}x the tokens/rank, " if capacity > 1 else "")
+                 + f"receive_load {meta['receive_load']}, "
                  + (f"GEMM1 saved for the backward up to {meta['save_gemm1_load']}x the mean load"
                     if meta["save_gemm1"] else "GEMM1 recomputed for the backward"))
     return (
@@ -804,7 +817,7 @@ def run(args, device, note) -> None:
         "precision": args.precision_name, "precision_requested": args.precision,
         "backend": args.resolved_backend, "backend_reason": args.backend_reason,
         "ep_spans_nodes": args.ep_spans_nodes, "comm_sms": args.comm_sms, "reserved_sms": args.reserved_sms,
-        "capacity_factor": args.capacity_factor,
+        "capacity_factor": args.capacity_factor, "receive_load": args.receive_load,
         "save_gemm1": args.save_gemm1, "save_gemm1_load": args.save_gemm1_load, "forward_only": args.forward_only, "iters": args.iters,
         "warmup": args.warmup,
     }
@@ -812,7 +825,7 @@ def run(args, device, note) -> None:
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
                                 comm_sms=args.comm_sms, reserved_sms=args.reserved_sms, save_gemm1=args.save_gemm1,
-                                save_gemm1_load=args.save_gemm1_load)
+                                save_gemm1_load=args.save_gemm1_load, receive_load=args.receive_load)
     settings = {"mega_moe": settings, "mega_moe_bf16": settings.replace(precision="bf16", backend=args.bf16_backend)}
     timer = Timer(device)
     meta["matmul_peak_tflops"] = matmul_peak_tflops(device)

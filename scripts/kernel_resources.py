@@ -166,7 +166,7 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
             # written here, every row the receive buffer holds, so every launch compiles.
             received = buffers.recv.shape[0] - tiles.block_m
             per_expert = [received // local] * local
-            buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, received, *per_expert])
+            buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, received, received, *per_expert])
             fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, call, buffers, grad, score_before,
                            COMM_PROGRAMS, PROGRAMS, 10.0)
 

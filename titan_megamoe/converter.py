@@ -71,7 +71,7 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
 
 
 FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "reserved_sms", "save_gemm1", "save_gemm1_load",
-                       "timeout_s")
+                       "receive_load", "timeout_s")
 """``[mega_moe]`` keys that only the fused backend reads."""
 
 
@@ -151,6 +151,7 @@ class MegaMoEConverter:
             reserved_sms=cfg.reserved_sms,
             save_gemm1=cfg.save_gemm1,
             save_gemm1_load=float(cfg.save_gemm1_load),
+            receive_load=float(cfg.receive_load),
             timeout_s=float(cfg.timeout_s),
         )
         logger.info(

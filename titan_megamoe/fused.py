@@ -2,8 +2,10 @@
 ``titan_megamoe.kernels``.
 
 Buffers are allocated once per (group, shape, precision, tiles) and reused by every
-layer and step; the first forward and the first backward of each log their size. With a
-capacity (required when EP > 1) the shape is fixed; a single rank without one sizes its
+layer and step (those with a row per received row grow when a call brings more than
+``settings.receive_load`` sized them for); the first forward and the first backward of
+each log their size. With a capacity (required when EP > 1) the shape is fixed; a single
+rank without one sizes its
 buffers for the call's tokens and replaces them when a call brings another count, so
 memory does not grow with every new token count. Per layer, the backward keeps the op's
 inputs and the forward's routing (4 bytes per routed row: the backward does not sort the
@@ -97,6 +99,7 @@ def _shape(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Fo
         dtype=x.dtype,
         row_format=settings.precision.forward,
         native_resend=settings.precision.backward_resends_native,
+        receive_load=settings.receive_load,
     )
 
 
@@ -123,9 +126,11 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"{fused_support.describe_mma(target, settings.precision)}; "
         f"buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
-        f"{buffers.local_bytes / 2**30:.2f} GiB local; saving GEMM1's pre-activations would keep "
-        f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer ({rows} of "
-        f"{shape.receive_rows(tiles)} receive rows: save_gemm1_load {settings.save_gemm1_load})"
+        f"{buffers.local_bytes / 2**30:.2f} GiB local ({shape.receive_rows(tiles)} receive rows of the "
+        f"{shape.most_receive_rows(tiles)} any routing can bring: receive_load {settings.receive_load}, "
+        f"grown when a call brings more); saving GEMM1's pre-activations would keep "
+        f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer ({rows} rows: save_gemm1_load "
+        f"{settings.save_gemm1_load})"
     )
     _BUFFERS[key] = buffers
     _start_reporting()

@@ -22,6 +22,10 @@ DEFAULT_SAVE_GEMM1_LOAD = 1.25
 """``save_gemm1_load``'s default: routings that load a rank up to a quarter above the mean
 recompute nothing."""
 
+DEFAULT_RECEIVE_LOAD = 2.0
+"""``receive_load``'s default: at EP <= 2 every row any routing can bring (no wait); above,
+twice the mean (at EP 8, a quarter of what any routing can bring)."""
+
 
 @dataclass(frozen=True)
 class OperatorSettings:
@@ -49,6 +53,15 @@ class OperatorSettings:
     alignment's padding per local expert), at most every row any routing can bring
     (about EP x the mean); the backward recomputes GEMM1 for the rows past them. Sizes
     what each layer keeps."""
+    receive_load: float = DEFAULT_RECEIVE_LOAD
+    """Fused: the buffers with a row per received row (the receive buffers of the expert
+    inputs and of the output gradients, ``h``) first hold this multiple of the rows a rank
+    receives on average (tokens x top-k), at most every row any routing can bring (EP x
+    the mean); 0 = that most. Where they hold fewer, each forward, its kernels queued,
+    reads on the host its layout kernel's count of the most rows any rank receives; where
+    they did not fit, that run did nothing, and every rank grows them alike (collectively;
+    logged) and runs the forward again: no routing drops a row
+    (``kernels.forward.ForwardBuffers.grow_to_fit``)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Fused: wall-clock limit of any wait on a peer; past it every rank raises."""
 
@@ -62,6 +75,9 @@ class OperatorSettings:
         if isinstance(self.save_gemm1_load, bool) or not self.save_gemm1_load > 0:
             raise ValueError(f"save_gemm1_load = {self.save_gemm1_load!r} is not valid; expected a multiple of "
                              "the mean load > 0")
+        if isinstance(self.receive_load, bool) or not self.receive_load >= 0:
+            raise ValueError(f"receive_load = {self.receive_load!r} is not valid; expected a multiple of the "
+                             "mean load > 0, or 0 for every row any routing can bring")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s = {self.timeout_s!r} is not valid; expected seconds > 0")
         # Encoded here, once: the object is frozen, and ``mega_moe`` passes the string at every call.
@@ -89,7 +105,7 @@ class OperatorSettings:
         the objects are frozen, so every call with one string can share one."""
         raw = dict(item.split("=", 1) for item in encoded.split(";"))
         types = {"capacity_tokens_per_rank": int, "comm_sms": int, "reserved_sms": int, "timeout_s": float,
-                 "save_gemm1_load": float,
+                 "save_gemm1_load": float, "receive_load": float,
                  "save_gemm1": lambda v: bool(int(v)), "precision": get_precision, "backend": str}
         return cls(**{name: types[name](value) for name, value in raw.items()})
 

@@ -10,13 +10,16 @@ behind the same interface.
 symmetric memory refuses two processes on one GPU): each virtual rank's buffers are its
 own allocations, its peers' addresses are those of the other ranks' allocations, each rank
 launches on its own stream, and each gets ``1 / ep`` of the GPU's SMs, so that every rank's
-spinning programs are resident at once. It exists to exercise the layouts and the flag
+spinning programs are resident at once. Where a forward waits on the host for its layout
+(``ForwardBuffers.grow_to_fit``), each rank's calls must be made from a thread of its own.
+It exists to exercise the layouts and the flag
 protocol at EP = 4 and 8 where fewer GPUs are at hand (and, on the CPU under the Triton
 interpreter, a rank that never arrives).
 """
 
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -41,17 +44,21 @@ class VirtualGroup:
         self._sets: list[list[torch.Tensor]] = []
         """Every allocation made so far: one copy per rank, in allocation order."""
         self._next = [0] * ep
+        self._lock = threading.Lock()
+        """Held while a rank's thread takes an allocation: the first to ask makes every
+        rank's copy and synchronises the device before any other rank may use one."""
         self.ranks = [VirtualRank(self, r) for r in range(ep)]
 
     def _allocate(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype):
-        index = self._next[rank]
-        self._next[rank] += 1
-        if index == len(self._sets):
-            # Every copy at once, zeroed before any rank's stream may write into a peer's.
-            self._sets.append([torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.ep)])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        copies = self._sets[index]
+        with self._lock:
+            index = self._next[rank]
+            self._next[rank] += 1
+            if index == len(self._sets):
+                # Every copy at once, zeroed before any rank's stream may write into a peer's.
+                self._sets.append([torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.ep)])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            copies = self._sets[index]
         if copies[rank].shape != torch.Size(shape) or copies[rank].dtype != dtype:
             raise ValueError(
                 f"virtual rank {rank} asked for allocation {index} as {tuple(shape)} {dtype}; "

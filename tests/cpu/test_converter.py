@@ -49,6 +49,7 @@ def build_converters(job):
         ("reserved_sms", -2, "reserved_sms = -2 is not valid; expected an integer >= 0"),
         ("timeout_s", 0.0, "timeout_s = 0.0 is not valid; expected seconds > 0"),
         ("save_gemm1_load", -1.0, "save_gemm1_load = -1.0 is not valid; expected a multiple of the mean load > 0"),
+        ("receive_load", -0.5, "receive_load = -0.5 is not valid; expected a multiple of the mean load > 0, or 0"),
     ],
 )
 def test_bad_section_values_name_field_and_choices(field, value, message):
@@ -125,11 +126,11 @@ def test_settings_reach_the_layers():
     assert MegaMoEConverter(job, None).settings.capacity_tokens_per_rank == 3 * 512
     job = parse("--mega_moe.capacity_tokens_per_rank=999", "--mega_moe.save_gemm1", "--mega_moe.timeout_s=7",
                 "--mega_moe.save_gemm1_load=2", "--mega_moe.precision=fp8_bwd", "--mega_moe.backend=reference",
-                "--mega_moe.reserved_sms=8")
+                "--mega_moe.reserved_sms=8", "--mega_moe.receive_load=1.5")
     converter = MegaMoEConverter(job, None)
     settings = converter.settings
     assert (settings.capacity_tokens_per_rank, settings.comm_sms, settings.reserved_sms, settings.save_gemm1,
-            settings.save_gemm1_load, settings.timeout_s) == (999, 0, 8, True, 2.0, 7.0)
+            settings.save_gemm1_load, settings.receive_load, settings.timeout_s) == (999, 0, 8, True, 2.0, 1.5, 7.0)
     assert (settings.precision.name, settings.backend) == ("fp8_bwd", "reference")
     model = debug_model("qwen3")
     converter.convert(model)

@@ -122,6 +122,7 @@ def _check_rows_held(buffers, call, counts, case):
     received = sum(-(-int(c) // align) * align for c in counts)
     held = (received, min(received + bm, buffers.recv.shape[0]), tuple(int(c) for c in counts))
     assert rows_to_hold(buffers, call, timeout_s=1.0) == held, case
+    assert buffers.received_rows(call, timeout_s=1.0).most == received, case  # one rank: its own
 
 
 def _check_received_record(dtype, tolerance):
@@ -222,17 +223,19 @@ def test_fused_backend_trains_through_the_op(monkeypatch):
     run_ranks(_check_training_path, 1, timeout_s=300)
 
 
-def _check_failures_stop_every_rank(rank, world):
+def _check_failures_stop_every_rank(rank, world, receive_load):
     """Two virtual ranks; rank 1 never arrives. Rank 0's call fails at its deadline and
     raises; rank 1, arriving later, fails at its first wait because rank 0 failed, and
-    raises too: neither returns a result. Every later call raises at once."""
+    raises too: neither returns a result. Every later call raises at once. Alike with
+    receive buffers sized below every row any routing can bring, where a forward reads its
+    layout's count (``ForwardBuffers.grow_to_fit``)."""
     from titan_megamoe import fused
     from titan_megamoe.symm import VirtualGroup
 
     x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
     local = EXPERTS // 2
     group = VirtualGroup(2, torch.device("cpu"), name="late-peer")
-    settings = _settings(timeout_s=0.2)
+    settings = _settings(timeout_s=0.2, receive_load=receive_load)
     shard = [(w1[r * local:(r + 1) * local], w2[r * local:(r + 1) * local], w3[r * local:(r + 1) * local])
              for r in range(2)]
 
@@ -250,9 +253,90 @@ def _check_failures_stop_every_rank(rank, world):
     assert len(fused.failures()) == 2
 
 
-def test_a_late_peer_fails_every_rank(monkeypatch):
+@pytest.mark.parametrize("receive_load", [0.0, 0.5])
+def test_a_late_peer_fails_every_rank(receive_load, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_check_failures_stop_every_rank, 1, timeout_s=300)
+    run_ranks(_check_failures_stop_every_rank, 1, receive_load, timeout_s=300)
+
+
+def _check_receive_growth(rank, world):
+    """Receive buffers sized below a call's rows (``receive_load`` under the mean): that
+    forward's first run does nothing, then the buffers grow, with the backward's made
+    before, and it runs again; outputs and gradients equal, bit for bit, those of buffers
+    sized for every row any routing can bring. A call that fits reads its count once and
+    leaves them as they are, and saves more pre-activation rows than they hold; buffers
+    sized for every row never read it in the forward."""
+    import logging
+
+    from titan_megamoe import fused
+    from titan_megamoe.kernels.forward import ForwardBuffers
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("titan_megamoe.kernels.forward")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    reads = []
+    read = ForwardBuffers.received_rows
+    ForwardBuffers.received_rows = lambda self, call, timeout_s: reads.append(call) or read(self, call, timeout_s)
+
+    problems = [_problem(1, "random", seed=7), _problem(37, "skewed", seed=8)]
+    dys = [torch.randn(p[0].shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(problems)]
+
+    def forward_reads(problem, settings):
+        before = len(reads)
+        kept = fused.moe_forward(*problem, None, False, settings)
+        return kept, reads[before:]
+
+    def call(problem, dy, settings):
+        kept, _ = forward_reads(problem, settings)
+        return [kept[0], *fused.moe_backward(dy, *problem, *kept[2:], None, False, settings)]
+
+    full = _settings(True, save_gemm1_load=4.0, receive_load=0.0)
+    expected = [call(p, dy, full) for p, dy in zip(problems, dys)]
+    assert forward_reads(problems[1], full)[1] == []
+    full_rows = fused._plan(*problems[0][:2], problems[0][3], None, full).buffers.recv.shape[0]
+
+    sized = full.replace(receive_load=0.25)
+    buffers = fused._plan(*problems[0][:2], problems[0][3], None, sized).buffers
+    initial = buffers.recv.shape[0]
+    assert initial == buffers.shape.receive_rows(buffers.tiles) < full_rows
+    kept, forward_read = forward_reads(problems[0], sized)  # fits: the backward's buffers are made at that size
+    assert forward_read == [int(kept[-1])]
+    assert kept[2].shape[0] > initial, "saves fewer rows than the receive buffers hold"
+    got = [[kept[0], *fused.moe_backward(dys[0], *problems[0], *kept[2:], None, False, sized)]]
+    grad = fused._GRAD_BUFFERS[id(buffers)]
+    assert buffers.recv.shape[0] == grad.recv_grad.shape[0] == initial and not messages
+    old = [buffers.recv.fill_(float("nan")), buffers.h.fill_(float("nan"))]
+    kept, forward_read = forward_reads(problems[1], sized)
+    assert forward_read == [int(kept[-1]) - 1], (forward_read, int(kept[-1]))  # the run that did nothing
+    assert all(torch.isnan(t).all() for t in old), "the run that did not fit stored rows"
+    most = buffers.received_rows(int(kept[-1]), timeout_s=1.0).most
+    grown = buffers.shape.grown_receive_rows(most, buffers.tiles)
+    assert initial < most + buffers.tiles.block_m <= grown <= full_rows, (initial, most, grown)
+    for t in (buffers.recv, buffers.recv_meta, buffers.h, grad.recv_grad, grad.recv_score):
+        assert t.shape[0] == grown, tuple(t.shape)
+    assert len(messages) == 1 and f"brings a rank {most} rows" in messages[0], messages
+    got.append([kept[0], *fused.moe_backward(dys[1], *problems[1], *kept[2:], None, False, sized)])
+    recv = buffers.recv
+    got.append(call(problems[1], dys[1], sized))  # fits now: nothing moves
+    assert buffers.recv is recv and len(messages) == 1
+    for case, (g, e) in enumerate(zip(got, expected + expected[1:])):
+        for name, a, b in zip(("y",) + GRADIENTS, g, e):
+            assert torch.equal(a, b), (case, name)
+
+    # Any other call whose rows do not fit (here a backward, its buffers shrunk behind the
+    # backend's back) fails on every rank, naming the rows.
+    kept = fused.moe_forward(*problems[1], None, False, sized)
+    buffers._allocate_rows(initial)
+    with pytest.raises(RuntimeError, match=rf"brings rank 0 {most} rows, more than the {initial - 16} its receive"):
+        fused.moe_backward(dys[1], *problems[1], *kept[2:], None, False, sized)
+
+
+def test_receive_buffers_grow_for_a_call_that_does_not_fit(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_check_receive_growth, 1, timeout_s=300)
 
 
 def _check_bad_expert_ids(rank, world, bad_id):

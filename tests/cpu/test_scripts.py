@@ -54,6 +54,7 @@ sm_sharing = load_script("sm_sharing")
         (["--precision", "fp4"], ["--precision", "'fp4'"]),
         (["--backend", "magic"], ["--backend", "'magic'"]),
         (["--capacity-factor", "0"], ["--capacity-factor", "'0'"]),
+        (["--receive-load", "-1"], ["--receive-load", "'-1' is not a number >= 0"]),
         # The fused backend cannot run on the CPU: refused with the reason, before any rank starts.
         (["--backend", "fused"], ["--backend fused", "cannot run here"]),
         (["--variants", "stock,stock_compiled"], ["--variants", "stock_compiled needs a GPU"]),
@@ -113,7 +114,7 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
 def test_bench_layer_launcher_passes_what_it_resolved():
     args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
                                            "--save-gemm1", "--save-gemm1-load", "0.5", "--memory",
-                                           "--reserved-sms", "8", "--capacity-factor", "3"])
+                                           "--reserved-sms", "8", "--capacity-factor", "3", "--receive-load", "0"])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
     assert vars(again) == vars(args)

@@ -19,7 +19,7 @@ from titan_megamoe.settings import OperatorSettings
 
 SETTINGS = OperatorSettings(
     precision="fp8_bwd", backend="reference", capacity_tokens_per_rank=123, comm_sms=7, reserved_sms=3,
-    save_gemm1=True, save_gemm1_load=0.75, timeout_s=12.5,
+    save_gemm1=True, save_gemm1_load=0.75, receive_load=0.5, timeout_s=12.5,
 )
 """Every field away from its default."""
 

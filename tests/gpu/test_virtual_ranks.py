@@ -6,9 +6,16 @@ computed over all ranks' tokens, with random and skewed routing, a rank that rec
 nothing and a rank with no tokens. In mxfp8 the rows, the output and the data gradients
 are checked against the mxfp8 spec and the weight gradients against fp32: the spec
 rounds them along the tokens in blocks that follow the receive layout, which differs
-between one rank and many."""
+between one rank and many.
+
+Each rank's calls are made from a thread of its own: with the receive buffers sized by
+the load (``receive_load``, at its default twice the mean), each forward waits on the
+host for its layout kernel, which waits for every peer's. Skewed routing brings rank 0
+more rows than that: every rank grows its buffers in that forward; one case keeps
+buffers sized for any routing."""
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,6 +23,7 @@ from ranks import run_ranks
 
 from titan_megamoe.precision import get_precision
 from titan_megamoe.reference import max_row_error, relative_error
+from titan_megamoe.settings import DEFAULT_RECEIVE_LOAD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -142,13 +150,27 @@ def _reserve_local_memory(loaded: dict) -> None:
 
 def _publish_received(buffers, call: int, ranks, rank: int, local: int) -> None:
     """Write what the layout kernel of forward ``call`` would have written into rank
-    ``rank``'s received-rows record (the load-only pass runs no kernel; its backward reads
-    the record): the rows it receives, each local expert's aligned, and each expert's."""
+    ``rank``'s received-rows record (the load-only pass runs no kernel; its forward and
+    backward read the record): the rows it receives, each local expert's aligned, the most
+    any rank receives, capped at what its buffers hold (the real forward grows them, with
+    every peer's kernels in flight), and each expert's."""
     counts = torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _, _ in ranks]), minlength=EXPERTS)
     mine = counts[rank * local:(rank + 1) * local].tolist()
     align = buffers.tiles.row_align
     rows = sum(-(-c // align) * align for c in mine)
-    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows, *mine])
+    most = min(rows, buffers.recv.shape[0] - buffers.tiles.block_m)
+    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows, most, *mine])
+
+
+def _on_each_rank(group, call):
+    """``[call(r) for each rank r]``, each from a thread of its own on the rank's stream."""
+
+    def on_rank(r):
+        with torch.cuda.stream(group.ranks[r].stream):
+            return call(r)
+
+    with ThreadPoolExecutor(max_workers=group.ep) as pool:
+        return list(pool.map(on_rank, range(group.ep)))
 
 
 def _synchronize() -> None:
@@ -161,7 +183,8 @@ def _synchronize() -> None:
         raise RuntimeError(f"{error}; recorded: {fused.failures()}") from error
 
 
-def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16") -> None:
+def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16",
+         receive_load: float = DEFAULT_RECEIVE_LOAD) -> None:
     from titan_megamoe import fused, reference
     from titan_megamoe.settings import OperatorSettings
     from titan_megamoe.symm import VirtualGroup
@@ -170,7 +193,7 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
     local = EXPERTS // ep
     capacity = max(x.shape[0] for x, *_ in ranks)
     settings = OperatorSettings(precision=precision, backend="fused", capacity_tokens_per_rank=capacity,
-                                save_gemm1=save_gemm1, timeout_s=20.0)
+                                save_gemm1=save_gemm1, timeout_s=20.0, receive_load=receive_load)
     group = VirtualGroup(ep, torch.device("cuda"), name=f"virtual-{kind}-{seed}")
     shards = [tuple(w[r * local:(r + 1) * local] for w in (w1, w2, w3)) for r in range(ep)]
     # Nothing may allocate device or pinned memory while a virtual rank's kernels wait for
@@ -183,24 +206,29 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
             reserve = [torch.empty(4 << 30, dtype=torch.uint8, device="cuda")]
             reserve += [torch.empty(512 << 10, dtype=torch.uint8, device="cuda") for _ in range(64)]
             del reserve
+    buffers = [fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers
+               for r, (x, idx, _, _) in enumerate(ranks)]
+    prepared_rows = buffers[0].recv.shape[0]
     loaded = {}
     with _load_kernels_only(loaded):
         for r, (x, idx, w, dy) in enumerate(ranks):
             with torch.cuda.stream(group.ranks[r].stream):
+                _publish_received(buffers[r], buffers[r].calls + 1, ranks, r, local)
                 dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
-                _publish_received(fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers,
-                                  int(dry[-1]), ranks, r, local)
                 fused.moe_backward(dy, x, idx, w, *shards[r], *dry[2:], group.ranks[r], False, settings)
     _synchronize()
     _reserve_local_memory(loaded)
-    print(f"EP {ep} {kind}: buffers prepared, kernels loaded", flush=True)
+    print(f"EP {ep} {kind}: buffers prepared ({prepared_rows} receive rows), kernels loaded", flush=True)
 
-    forward = []
-    for r, (x, idx, w, _) in enumerate(ranks):
-        with torch.cuda.stream(group.ranks[r].stream):
-            forward.append(fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings))
+    forward = _on_each_rank(group, lambda r: fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r], False,
+                                                               settings))
     print(f"EP {ep} {kind}: forwards launched", flush=True)
     _synchronize()
+    most = max(b.received_rows(int(f[-1]), timeout_s=1.0).most for b, f in zip(buffers, forward))
+    rows = {b.recv.shape[0] for b in buffers}
+    print(f"EP {ep} {kind}: a rank received up to {most} rows; receive rows {prepared_rows} -> {rows}", flush=True)
+    assert len(rows) == 1 and most + buffers[0].tiles.block_m <= min(rows), (most, rows)
+    assert (min(rows) > prepared_rows) == (most + buffers[0].tiles.block_m > prepared_rows), "grown iff needed"
     combine_rows = [b.combine for (_, b) in sorted(
         ((k, b) for k, b in fused._BUFFERS.items() if k[0] == group.ranks[0].group_name),
         key=lambda kb: kb[1].shape.rank)]
@@ -210,11 +238,8 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
         expected = _slot_rows(x, idx, w1, w2, w3, precision)
         got = combine_rows[r][:n].float()
         checked_rows.append((relative_error(got, expected) if n else 0.0, max_row_error(got, expected)))
-    backward = []
-    for r, (x, idx, w, dy) in enumerate(ranks):
-        with torch.cuda.stream(group.ranks[r].stream):
-            backward.append(fused.moe_backward(dy, x, idx, w, *shards[r], *forward[r][2:], group.ranks[r],
-                                               False, settings))
+    backward = _on_each_rank(group, lambda r: fused.moe_backward(
+        ranks[r][3], *ranks[r][:3], *shards[r], *forward[r][2:], group.ranks[r], False, settings))
     _synchronize()
 
     # The fp32 reference over every rank's tokens with every expert local; quantized, the
@@ -260,8 +285,10 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
                 assert max_row_error(got, want) < ROW_TOLERANCE, (ep, kind, r, name, "worst row")
 
 
-def _case(rank: int, world: int, ep: int, kind: str, precision: str = "bf16") -> None:
-    _run(ep, kind, seed=ep * 10 + len(kind), save_gemm1=kind == "skewed", precision=precision)
+def _case(rank: int, world: int, ep: int, kind: str, precision: str = "bf16",
+          receive_load: float = DEFAULT_RECEIVE_LOAD) -> None:
+    _run(ep, kind, seed=ep * 10 + len(kind), save_gemm1=kind == "skewed", precision=precision,
+         receive_load=receive_load)
 
 
 @pytest.mark.parametrize("ep", [4, 8])
@@ -270,6 +297,11 @@ def test_virtual_ranks(ep, kind):
     # A process per case: a stopped kernel ends the CUDA context, and each case's
     # buffers and per-stream caches go with its process.
     run_ranks(_case, 1, ep, kind, backend="nccl", timeout_s=300)
+
+
+def test_virtual_ranks_sized_for_any_routing():
+    """Receive buffers that hold every row any routing can bring: no forward waits."""
+    run_ranks(_case, 1, 8, "skewed", "bf16", 0.0, backend="nccl", timeout_s=300)
 
 
 @pytest.mark.parametrize("ep, kind", [(4, "random"), (8, "skewed")])
