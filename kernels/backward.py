@@ -225,11 +225,11 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
     out = torch.empty(cols, kt, dtype=torch.float8_e4m3fn, device=t.device)
     scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
     shape = buffers.shape
-    grid = (kt // token_block, triton.cdiv(cols, tiles.token_major_cols))
-    launch(token_major_kernel, grid,
+    block_c = tiles.token_major_row_bytes // t.element_size()
+    launch(token_major_kernel, (triton.cdiv(cols, block_c) * (kt // token_block),),
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=t.shape[1], COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
-        TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=tiles.token_major_cols,
+        TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=block_c,
         LOCAL_PAD=pad(shape.local_experts), num_warps=tiles.token_major_warps,
     )
     return out, scales

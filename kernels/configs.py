@@ -76,9 +76,10 @@ class TileConfig:
     local expert, instead of ``wgrad_kernel``, where its mean expert's multiply-adds (rows
     x output elements) reach this many: a launch per expert pays off only for deep experts
     (0: never)."""
-    token_major_cols: int = 128
-    """Columns of a token-major copy program (one token block by this many columns); must
-    divide the row scale block of an operand that arrives quantized, or hold whole ones."""
+    token_major_row_bytes: int = 128
+    """Bytes of each row a token-major copy program reads (one token block by this over
+    the operand's element size columns: 64 of bf16, 128 of e4m3); the columns must divide
+    the row scale block of an operand that arrives quantized, or hold whole ones."""
     token_major_warps: int = 4
     """Warps of a token-major copy program."""
     mx_dequantized_weights: int = 0
@@ -199,8 +200,9 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # beside the other's MMAs) were 7% faster at 30B-A3B and 7% slower at 235B-A22B
     # (v29). The backward's first kernel runs 2 stages where it recomputes
     # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
-    # where GEMM1 was saved. Token-major copies 64 columns wide: a 128x64 fp32 tile in 128
-    # threads keeps more programs per SM than 128x128 (34% faster). Weight gradients in
+    # where GEMM1 was saved. Token-major copies read 128 bytes of each row in 2 warps,
+    # neighbouring programs the same rows (8-14% faster than 64 columns of any operand in
+    # 4 warps, v36; 128 columns of fp32 in 4 warps were 34% slower, v16). Weight gradients in
     # 64x128 tiles of 4 warps, 3 stages: two programs per SM, so one's epilogue overlaps
     # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16). Where
     # the mean expert brings 2^34 multiply-adds or more to a weight gradient, torch's
@@ -219,7 +221,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=4,
         dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_cols=64,
+        wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_warps=2,
         wgrad_library_macs=2**34,
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA. MX values are exact in bf16, so the
@@ -251,7 +253,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=3,
         dgrad_n=256, dgrad_k=128, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3, token_major_cols=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3,
     ),
     # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
     # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
@@ -276,11 +278,11 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=1,
         dgrad_m=8, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4, token_major_cols=64,
+        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
     ),
     # mxfp8's K steps span one or two scale blocks (the scaled MMA takes whole ones); the
     # weight gradients' two, so each expert's tokens are padded to 64; token-major copies
-    # read two scale blocks of the arriving rows per program; transposes of whole scale
+    # read four scale blocks of the arriving rows per program; transposes of whole scale
     # blocks (weights in bf16 are rounded as they are transposed).
     ("interpret", "mxfp8"): TileConfig(
         block_m=16, row_align=4,
@@ -290,7 +292,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=1,
         dgrad_m=16, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
         copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=32,
-        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4, token_major_cols=64,
+        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

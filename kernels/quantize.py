@@ -141,12 +141,21 @@ def round_rows(values, SCALE_K: tl.constexpr):
 
 
 @triton.jit
+def quantize_columns(values, POWER_OF_TWO: tl.constexpr):
+    """``values [ROWS, COLS]`` (fp32) -> ``(q, scales)``: ``q`` the e4m3 tile, ``scales
+    [COLS]`` fp32, each column quantized as one block (``e4m3_scale``): the operands of a
+    GEMM contracting along the rows."""
+    scale, multiplier = e4m3_scale(tl.max(tl.abs(values), axis=0), POWER_OF_TWO)
+    return _to_e4m3(values * multiplier[None, :]), scale
+
+
+@triton.jit
 def mx_round_columns(values):
-    """``values [ROWS, COLS]`` (fp32) with each column quantized as one MX block (e4m3
-    times its power-of-two scale, ``e4m3_scale``) and dequantized again, in fp32: the
-    values a GEMM contracting along the rows reads, exact in bf16 from 2^-126 up."""
-    scale, multiplier = e4m3_scale(tl.max(tl.abs(values), axis=0), True)
-    return _to_e4m3(values * multiplier[None, :]).to(tl.float32) * scale[None, :]
+    """``values [ROWS, COLS]`` (fp32) with each column quantized as one MX block
+    (``quantize_columns``) and dequantized again, in fp32: the values a GEMM contracting
+    along the rows reads, exact in bf16 from 2^-126 up."""
+    q, scale = quantize_columns(values, True)
+    return q.to(tl.float32) * scale[None, :]
 
 
 @triton.jit

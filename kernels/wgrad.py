@@ -24,7 +24,7 @@ import triton.language as tl
 
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
-from titan_megamoe.kernels.quantize import mx_round_columns, quantize_tile
+from titan_megamoe.kernels.quantize import mx_round_columns, quantize_columns
 
 
 @triton.jit
@@ -94,10 +94,12 @@ def token_major_kernel(
     """One token block x ``BLOCK_C`` columns of ``t`` (rows of ``STRIDE``, the first
     ``COLS`` read; e4m3 with scales when ``SCALE_K`` > 0) into ``out [COLS, KT]`` e4m3 and
     ``out_scales [COLS, KT / TOKEN_BLOCK]``, each column of the block quantized with one
-    scale. Program ``(b, c)``: token block ``b`` of the packed layout, column block ``c``;
-    blocks past the last expert's are never read and left as they are."""
-    block = tl.program_id(0)
-    col0 = tl.program_id(1) * BLOCK_C
+    scale. Program ``b * cdiv(COLS, BLOCK_C) + c``: column block ``c`` of token block ``b``
+    of the packed layout (programs running together read neighbouring columns of the
+    same rows); blocks past the last expert's are never read and left as they are."""
+    COL_BLOCKS: tl.constexpr = tl.cdiv(COLS, BLOCK_C)
+    block = tl.program_id(0) // COL_BLOCKS
+    col0 = tl.program_id(0) % COL_BLOCKS * BLOCK_C
     experts = tl.arange(0, LOCAL_PAD)
     ends = tl.load(block_start + 1 + experts, mask=experts < local_experts, other=2**30)
     expert = tl.sum((ends <= block).to(tl.int32))
@@ -107,12 +109,14 @@ def token_major_kernel(
         live = offsets < tl.load(local_rows + expert)
         rows = tl.load(local_base + expert) + offsets
         v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE, COLS, BLOCK_C, SCALE_K)
-        q, scale = quantize_tile(tl.trans(v), TOKEN_BLOCK, POWER_OF_TWO)  # [BLOCK_C, TOKEN_BLOCK]
+        # Quantized as loaded, transposed by the store: one byte per element crosses
+        # the threads, not four (docs/perf.md v36).
+        q, scale = quantize_columns(v, POWER_OF_TWO)  # [TOKEN_BLOCK, BLOCK_C], [BLOCK_C]
         cols = col0 + tl.arange(0, BLOCK_C)
         col_ok = cols < COLS
         tokens = block * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
-        tl.store(out + cols[:, None].to(tl.int64) * KT + tokens[None, :], q, mask=col_ok[:, None])
-        tl.store(out_scales + cols[:, None].to(tl.int64) * (KT // TOKEN_BLOCK) + block, scale, mask=col_ok[:, None])
+        tl.store(out + cols[None, :].to(tl.int64) * KT + tokens[:, None], q, mask=col_ok[None, :])
+        tl.store(out_scales + cols.to(tl.int64) * (KT // TOKEN_BLOCK) + block, scale, mask=col_ok)
 
 
 @triton.jit

@@ -172,6 +172,19 @@ def names_from(known):
     return parse
 
 
+def add_buffer_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that size the fused backend's buffers (``--capacity-factor``,
+    ``--receive-load``), shared with ``profile_layer``."""
+    p.add_argument("--capacity-factor", type=positive_int, default=1,
+                   help="mega_moe fused: capacity_tokens_per_rank as this multiple of --tokens (default 1); its "
+                        "buffers then hold what a routing over that many times the ranks can bring, so one GPU "
+                        "measures the memory that EP = this factor sizes for")
+    p.add_argument("--receive-load", type=nonnegative_float, default=DEFAULT_RECEIVE_LOAD,
+                   help="mega_moe fused: buffers per received row sized for this multiple of the mean a rank "
+                        "receives, grown when a call brings more; 0: for every row any routing can bring "
+                        f"(default {DEFAULT_RECEIVE_LOAD})")
+
+
 def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str | None]:
     """Checked arguments, with the defaults of ``device``'s type filled in and the
     backend resolved (``args.resolved_backend``, ``args.backend_reason``); and, when the
@@ -199,14 +212,7 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
                    help="mega_moe fused, with --save-gemm1: rows saved, as a multiple of the mean a rank "
                         f"receives; the backward recomputes the others (default {DEFAULT_SAVE_GEMM1_LOAD})")
-    p.add_argument("--capacity-factor", type=positive_int, default=1,
-                   help="mega_moe fused: capacity_tokens_per_rank as this multiple of --tokens (default 1); its "
-                        "buffers then hold what a routing over that many times the ranks can bring, so one GPU "
-                        "measures the memory that EP = this factor sizes for")
-    p.add_argument("--receive-load", type=nonnegative_float, default=DEFAULT_RECEIVE_LOAD,
-                   help="mega_moe fused: buffers per received row sized for this multiple of the mean a rank "
-                        "receives, grown when a call brings more; 0: for every row any routing can bring "
-                        f"(default {DEFAULT_RECEIVE_LOAD})")
+    add_buffer_arguments(p)
     p.add_argument("--warmup", type=nonnegative_int, help="untimed iterations first (default: 3; CPU: 1)")
     p.add_argument("--iters", type=positive_int, help="timed iterations (default: 20; CPU: 3)")
     p.add_argument("--memory", action="store_true",
@@ -641,11 +647,12 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             result["symmetric_memory_gib"] = held / 2**30
             if not symm.in_caching_allocator(dist.group.WORLD):
                 result["peak_memory_gib"] += result["symmetric_memory_gib"]
-            else:
-                # Else this variant's buffers stay in the caching allocator through the
-                # next variant's measurement and count in its peak.
-                torch.cuda.synchronize()
-                fused.release_buffers()
+            # Else this variant's buffers (its local ones over several ranks) would stay in
+            # the caching allocator through the next variant's measurement and count in
+            # its peak. Every rank drops them once every rank is done with them.
+            torch.cuda.synchronize()
+            dist.barrier()
+            fused.release_buffers()
         add_rates(result, fwd_flops, peak)
         if name == "stock":
             reference = (y, grads)

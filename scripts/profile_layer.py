@@ -52,7 +52,10 @@ from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_layer import SHAPES, matmul_peak_tflops, memory_at_peak, positive_float  # noqa: E402  (measured as the bench does)
+# Measured as the bench does, with its buffer options.
+from bench_layer import (  # noqa: E402
+    SHAPES, add_buffer_arguments, matmul_peak_tflops, memory_at_peak, positive_float,
+)
 
 TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
 
@@ -206,6 +209,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-gemm1-load", type=positive_float, default=DEFAULT_SAVE_GEMM1_LOAD,
                    help="with --save-gemm1: rows saved, as a multiple of the mean a rank receives (the "
                         "backward recomputes the others)")
+    add_buffer_arguments(p)
     p.add_argument("--iters", type=positive_int, default=10)
     p.add_argument("--host", action="store_true",
                    help="also time the host per call without the profiler, and profile its Python")
@@ -255,9 +259,10 @@ def main():
             configs.TILE_CONFIGS[row] = dataclasses.replace(table, **changes)
         tiles = ",".join(f"{k}={v}" for k, v in changes.items()) or "table"
         label = f"comm_sms={comm_sms} tiles={tiles}"
-        settings = OperatorSettings(precision=args.precision, backend="fused", capacity_tokens_per_rank=args.tokens,
+        settings = OperatorSettings(precision=args.precision, backend="fused",
+                                    capacity_tokens_per_rank=args.tokens * args.capacity_factor,
                                     comm_sms=comm_sms, save_gemm1=args.save_gemm1,
-                                    save_gemm1_load=args.save_gemm1_load)
+                                    save_gemm1_load=args.save_gemm1_load, receive_load=args.receive_load)
 
         def call():
             y, received = mega_moe(x, *rest, group, score_before_experts=False, settings=settings)
@@ -308,6 +313,7 @@ def main():
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
         print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "
               + (f"{peak:.0f} TFLOP/s, expert-GEMM roofline {roofline:.3f} ms per call" if peak else "not measured"))
+        print(f"buffers sized for {args.tokens * args.capacity_factor} tokens/rank, receive_load {args.receive_load}")
         for label, r in results.items():
             what = "forward + backward" if args.backward else "forward"
             share = f" ({100 * roofline / r['wall_ms']:.0f}% of the roofline)" if roofline else ""

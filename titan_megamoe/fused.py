@@ -162,10 +162,10 @@ def prepare(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> N
 
 def release_buffers() -> None:
     """Drop every cached buffer set and call plan: their memory goes back to the caching
-    allocator once nothing in flight uses it, and the next call allocates them again. For
-    tools that measure one configuration after another on one rank, where the buffers
-    are plain allocations (``symm.in_caching_allocator``); torch's symmetric memory over
-    several ranks is not given back this way."""
+    allocator (or, symmetric over several ranks, to torch's symmetric memory) once nothing
+    in flight uses it, and the next call allocates them again, collectively. For tools
+    that measure one configuration after another; over several ranks every rank calls it
+    at the same point, after every rank's last call has finished."""
     _PLANS.clear()
     _GRAD_BUFFERS.clear()
     _BUFFERS.clear()

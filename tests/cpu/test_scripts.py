@@ -129,6 +129,8 @@ def test_bench_layer_launcher_passes_what_it_resolved():
         (["--tiles", "", "gemm2_n=128,stages=3"], "'stages'"),
         (["--tiles", "gemm2_n=big"], "'gemm2_n=big'"),
         (["--save-gemm1-load", "many"], "'many'"),
+        (["--capacity-factor", "0"], "'0'"),
+        (["--receive-load", "-1"], "'-1'"),
     ],
 )
 def test_profile_layer_bad_arguments_name_the_value(argv, named, capsys):
