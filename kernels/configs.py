@@ -201,7 +201,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # (v29). The backward's first kernel runs 2 stages where it recomputes
     # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
     # where GEMM1 was saved. Token-major copies read 128 bytes of each row in 2 warps,
-    # neighbouring programs the same rows (8-14% faster than 64 columns of any operand in
+    # neighbouring programs the same rows (9-12% faster than 64 columns of any operand in
     # 4 warps, v36; 128 columns of fp32 in 4 warps were 34% slower, v16). Weight gradients in
     # 64x128 tiles of 4 warps, 3 stages: two programs per SM, so one's epilogue overlaps
     # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16). Where

@@ -647,9 +647,9 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             result["symmetric_memory_gib"] = held / 2**30
             if not symm.in_caching_allocator(dist.group.WORLD):
                 result["peak_memory_gib"] += result["symmetric_memory_gib"]
-            # Else this variant's buffers (its local ones over several ranks) would stay in
-            # the caching allocator through the next variant's measurement and count in
-            # its peak. Every rank drops them once every rank is done with them.
+            # This variant's buffers (over several ranks, its local ones) would otherwise
+            # stay in the caching allocator through the next variant's measurement and
+            # count in its peak. Every rank drops them once every rank is done with them.
             torch.cuda.synchronize()
             dist.barrier()
             fused.release_buffers()
