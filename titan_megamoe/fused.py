@@ -5,9 +5,8 @@ Buffers are allocated once per (group, shape, precision, tiles) and reused by ev
 layer and step (those with a row per received row grow when a call brings more than
 ``settings.receive_load`` sized them for); the first forward and the first backward of
 each log their size. With a capacity (required when EP > 1) the shape is fixed; a single
-rank without one sizes its
-buffers for the call's tokens and replaces them when a call brings another count, so
-memory does not grow with every new token count. Per layer, the backward keeps the op's
+rank without one sizes its buffers for the call's tokens and replaces them when a call
+brings another count, so memory does not grow with every new token count. Per layer, the backward keeps the op's
 inputs and the forward's routing (4 bytes per routed row: the backward does not sort the
 rows again; it re-derives the layout from it on the device), plus, with
 ``settings.save_gemm1``, GEMM1's pre-activations of up to ``settings.save_gemm1_load``
