@@ -2,12 +2,15 @@
 the backward), the four launches, and the checks every call makes before launching.
 
 Counts, offsets and tile counts are computed and read on the device, and every grid is
-sized by capacity. The host waits for the device in one place only: where the receive
-buffers hold fewer rows than any routing can bring (``ForwardShape.receive_load``), a
-forward, its launches made, reads from host memory the most rows its layout kernel found
-any rank receives; where they did not fit, the layout let the kernels do nothing, and the
-forward grows the buffers and runs again (``ForwardBuffers.grow_to_fit``). A failure on
-the device (``sync``) is read from the status record, also in host memory.
+sized by capacity. The host waits for the device in one place only: a forward, its
+launches made (the GPU keeps the call's kernels queued), reads from host memory the
+record its layout kernel wrote (``ForwardBuffers.received_rows``). Where an expert id was
+out of range, the layout let the kernels do nothing, and the forward raises naming it;
+where the receive buffers hold fewer rows than any routing can bring
+(``ForwardShape.receive_load``) and the most rows its layout found any rank receives did
+not fit, the layout let the kernels do nothing too, and the forward grows the buffers and
+runs again (``ForwardBuffers.grow_to_fit``). A failure on the device (``sync``) is read
+from the status record, also in host memory.
 """
 
 import logging
@@ -29,11 +32,15 @@ from titan_megamoe.kernels.layout import layout_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import (
+    RECEIVED_BAD_ID,
+    RECEIVED_BAD_RANK,
+    RECEIVED_BAD_SLOT,
     RECEIVED_CALL,
     RECEIVED_COUNTS,
     RECEIVED_MOST,
     RECEIVED_ROWS,
     RECEIVED_SLOTS,
+    RECEIVED_STATUS,
     STATE_WORDS,
     STATUS_WORDS,
     FlagLayout,
@@ -54,6 +61,17 @@ rows that did not fit, at most what any routing can bring: a load that creeps up
 the group allocate (collectively) seldom."""
 
 
+class BadExpertId(NamedTuple):
+    """An expert id outside [0, E) that a call's layout found (``sync.BAD_EXPERT_ID``)."""
+
+    rank: int
+    """The first rank of the group whose ``topk_idx`` holds one."""
+    slot: int
+    """Its flat index there, ``token * top_k + j``: the rank's first negative id, else
+    its first one from E on."""
+    value: int
+
+
 class ReceivedRows(NamedTuple):
     """What a forward's layout kernel records of the rows this rank received
     (``ForwardBuffers.received_rows``)."""
@@ -64,6 +82,8 @@ class ReceivedRows(NamedTuple):
     """The most any rank of the group receives, counted as ``total``."""
     per_expert: tuple[int, ...]
     """Each local expert's."""
+    bad_id: BadExpertId | None = None
+    """An id out of range in some rank's ``topk_idx``: the call then computed nothing."""
 
 SymmetricAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """``(shape, dtype) -> (this rank's zeroed buffer, int64 tensor of every rank's address)``."""
@@ -189,8 +209,8 @@ class ForwardBuffers:
         """Calls (forward or backward) made on these buffers, counted on the host."""
         self.received_wait_s = 0.0
         """Host seconds calls have spent waiting for a record to be written
-        (``received_rows``: a backward for its forward's, a forward that checks its rows
-        fit for its own); tools that time the host leave them out."""
+        (``received_rows``: a forward for its own, a backward for its forward's); tools
+        that time the host leave them out."""
         self.warned_unsized = False
         """Whether a backward said it could not size its buffers by its forward's rows."""
         self.resident = None
@@ -224,26 +244,17 @@ class ForwardBuffers:
         receive buffers' rows less the tile of slack (``layout``)."""
         return self.recv.shape[0] - self.tiles.block_m
 
-    def checks_fit(self) -> bool:
-        """Whether a routing can bring a rank more rows than ``capacity_rows``."""
-        return self.recv.shape[0] < self.shape.most_receive_rows(self.tiles)
-
-    def grow_to_fit(self, call: int, timeout_s: float) -> bool:
-        """After a forward's first run (``call``, its launches made): where a routing can
-        bring more rows than the receive buffers hold, read from its record the most rows
-        any rank of the group receives (the host waits for the device to have run that
-        call's layout kernel, ``received_rows``). Where they did not fit, the layout let
-        the call do nothing (``layout``); grow every buffer with a row per received row to
-        ``ForwardShape.grown_receive_rows`` and return True: the forward runs again.
+    def grow_to_fit(self, call: int, received: ReceivedRows) -> bool:
+        """After a forward's first run (``call``, its launches made, and ``received`` its
+        record, ``received_rows``): where the most rows any rank of the group receives did
+        not fit the receive buffers, the layout let the call do nothing (``layout``); grow
+        every buffer with a row per received row to ``ForwardShape.grown_receive_rows`` and
+        return True: the forward runs again. Buffers that hold every row any routing can
+        bring always fit.
 
         Every rank reads the same count for the same call, so all grow alike, collectively.
         Nothing in flight touches the old buffers: the call's kernels stored nothing, and
         its count exchange, the call's start barrier, ran after every peer's earlier calls."""
-        if not self.checks_fit():
-            return False
-        received = self.received_rows(call, timeout_s)
-        if received is None:
-            raise RuntimeError(f"mega_moe fused forward: call {call}'s record was overwritten before it was read")
         if received.most <= self.capacity_rows:
             return False
         grown = self.shape.grown_receive_rows(received.most, self.tiles)
@@ -272,10 +283,10 @@ class ForwardBuffers:
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def received_rows(self, call: int, timeout_s: float) -> ReceivedRows | None:
-        """The rows this rank received in ``call`` (a forward's, ``fused_forward``), read
-        from the record its layout kernel writes into host memory: at once if the device
-        has run that kernel, else once it has (raises if the call failed, or past
-        ``timeout_s``). None if that slot has since been written by a call
+        """The rows this rank received in ``call`` (a forward's, ``fused_forward``) and
+        any bad expert id, read from the record its layout kernel writes into host memory:
+        at once if the device has run that kernel, else once it has (raises if the call
+        failed, or past ``timeout_s``). None if that slot has since been written by a call
         ``RECEIVED_SLOTS`` or more later."""
         slot = self.received[call % RECEIVED_SLOTS.value]
         start = time.monotonic()
@@ -287,8 +298,12 @@ class ForwardBuffers:
             # whether the slot was rewritten between the two.
             if written == call and slot[RECEIVED_CALL.value].item() == call:
                 self.received_wait_s += time.monotonic() - start
+                bad_id = None
+                if words[RECEIVED_STATUS.value] == sync.BAD_EXPERT_ID.value:
+                    bad_id = BadExpertId(words[RECEIVED_BAD_RANK.value], words[RECEIVED_BAD_SLOT.value],
+                                         words[RECEIVED_BAD_ID.value])
                 return ReceivedRows(words[RECEIVED_ROWS.value], words[RECEIVED_MOST.value],
-                                    tuple(words[RECEIVED_COUNTS.value:]))
+                                    tuple(words[RECEIVED_COUNTS.value:]), bad_id)
             if written > call:
                 return None
             self.raise_if_failed()
@@ -298,6 +313,17 @@ class ForwardBuffers:
                     f"{timeout_s:.1f} s (its record holds call {written})"
                 )
             time.sleep(RECEIVED_POLL_S)
+
+    def publish_received(self, call: int, total: int, most: int, per_expert: list[int]) -> None:
+        """Write ``call``'s record as its layout kernel would, with no bad id, for tools
+        whose launches compile the kernels without running them
+        (``scripts/kernel_resources.py``, the virtual-rank tests' loading pass): the forward
+        and its backward read it."""
+        record = torch.zeros_like(self.received[0])
+        record[RECEIVED_ROWS.value], record[RECEIVED_MOST.value] = total, most
+        record[RECEIVED_COUNTS.value:] = torch.tensor(per_expert)
+        record[RECEIVED_CALL.value] = call
+        self.received[call % RECEIVED_SLOTS.value] = record
 
     def failure(self) -> str | None:
         """What made a call on these buffers fail on the device, or None (reads host memory
@@ -356,10 +382,7 @@ def describe_failure(status: list[int], timeout_s: float) -> str | None:
     code, rank, index, seen, expected, _claim, call = status[:7]
     if not code:
         return None
-    if code == sync.BAD_EXPERT_ID.value:
-        what = (f"rank {rank}: topk_idx holds expert id {seen}, outside [0, {expected}) "
-                f"(sorted row {index}) in call {call}")
-    elif code == sync.RECEIVE_OVERFLOW.value:
+    if code == sync.RECEIVE_OVERFLOW.value:
         what = (f"rank {rank}: call {call} brings rank {index} {seen} rows, more than the {expected} its receive "
                 "buffers hold, after its forward grew them")
     elif code == sync.PEER_FAILED.value:
@@ -372,6 +395,18 @@ def describe_failure(status: list[int], timeout_s: float) -> str | None:
     return (f"mega_moe fused kernels: {what}. Every rank of the EP group stopped in that call "
             "and no result of it was returned; the process must restart (on GPUs the kernels "
             "ended its CUDA context)")
+
+
+def describe_bad_id(bad: BadExpertId, shape: ForwardShape) -> str:
+    """The message of a call whose layout found an expert id out of range, as this rank
+    (``shape.rank``) raises it."""
+    token, slot = divmod(bad.slot, shape.top_k)
+    owner = "" if bad.rank == shape.rank else f"rank {bad.rank}'s "
+    return (f"mega_moe fused forward: {owner}topk_idx holds expert id {bad.value}, outside "
+            f"[0, {shape.ep * shape.local_experts}) ({shape.ep} EP ranks x {shape.local_experts} local "
+            f"experts), at token {token}, slot {slot}: the router's top-k indices must name experts of "
+            "the EP group. Every rank of the group raises this; no rank sent a row of this call, and "
+            "later calls run normally")
 
 
 def check_call(num_tokens: int, buffers: ForwardBuffers, comm_programs: int, num_programs: int, what: str) -> None:
@@ -463,7 +498,7 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
         shape.local_experts, int(needs_input), int(timeout_s * 1e9), buffers.calls, buffers.capacity_rows,
         int(skip_overflow),
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
-        EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
+        BAD_IDS=flags.bad_ids, EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
         ROW_ALIGN=buffers.tiles.row_align, num_warps=4,
     )
     after_launches(buffers)  # what follows a failed layout must not run on its arrays
@@ -506,9 +541,11 @@ def fused_forward(
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
     receives GEMM1's pre-activations of the receive layout's first rows for the backward. With a quantized
     ``buffers.row_format`` the weights are quantized in its weight blocks and ``x`` once
-    per token before the kernels send it (held in bf16: rounded so). A first run whose
-    rows did not fit the receive buffers did nothing; the second runs on grown buffers
-    (``ForwardBuffers.grow_to_fit``).
+    per token before the kernels send it (held in bf16: rounded so). Once its launches are
+    made it reads its layout's record (``ForwardBuffers.received_rows``): an expert id out
+    of range in any rank's ``topk_idx`` raises ``ValueError`` naming it, on every rank (the
+    kernels did nothing); a first run whose rows did not fit the receive buffers did
+    nothing, and the second runs on grown buffers (``ForwardBuffers.grow_to_fit``).
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -564,7 +601,12 @@ def fused_forward(
         return tokens_per_expert
 
     tokens_per_expert = run(first=True)
-    if buffers.grow_to_fit(buffers.calls, timeout_s):
+    received = buffers.received_rows(buffers.calls, timeout_s)
+    if received is None:
+        raise RuntimeError(f"mega_moe fused forward: call {buffers.calls}'s record was overwritten before it was read")
+    if received.bad_id is not None:
+        raise ValueError(describe_bad_id(received.bad_id, shape))
+    if buffers.grow_to_fit(buffers.calls, received):
         tokens_per_expert = run(first=False)
     buffers.resident = (buffers.calls, inputs)
     return y, tokens_per_expert, routing, buffers.calls

@@ -4,10 +4,10 @@ Input: this rank's expert ids (``ids``, ``num_rows`` of them), the order that so
 with ids outside ``[0, E)`` clamped to -1 or E (``order``), ``send_start[e]`` ..
 ``send_start[e+1]``, its rows for expert ``e`` in that order, and whether this rank needs
 its expert inputs sent (``forward.sort_rows`` computes the first two once per forward). An id outside
-``[0, E)`` leaves rows outside ``send_start[0] .. send_start[E]``: the kernel then fails
-the call on every rank (``sync``), naming the id, before publishing anything. Otherwise it exchanges the
-counts with every peer (see ``sync``), so each rank holds the full matrix
-``COUNTS[source, expert]`` and derives the same receive layout for every owner:
+``[0, E)`` leaves rows outside ``send_start[0] .. send_start[E]``, which no item sends.
+The kernel exchanges the counts, and this rank's first bad id if any, with every peer
+(see ``sync``), so each rank holds the full matrix ``COUNTS[source, expert]`` and derives
+the same receive layout for every owner:
 
 - the owner's receive buffer is expert-major; each local expert's rows start on a
   multiple of ``ROW_ALIGN`` rows (``local_base``), padded to it, not to a whole tile;
@@ -20,7 +20,8 @@ rank finds so from the same counts. ``skip_overflow`` (a forward's first run): t
 publishes no work (no dispatch items, no tiles), so the call's kernels pass through their
 barriers without touching a receive buffer, and the host grows the buffers and runs the
 call again (``ForwardBuffers.grow_to_fit``). Otherwise the call fails on every rank
-(``RECEIVE_OVERFLOW``).
+(``RECEIVE_OVERFLOW``). Where any rank has a bad id, every rank publishes no work either,
+and records the id (``BAD_EXPERT_ID``) for the host to raise.
 
 Tiles are scheduled in a second, virtual row space (``block_base``) where each local
 expert's rows are padded to whole ``BLOCK_M`` blocks, so that a tile index names one
@@ -39,8 +40,10 @@ Outputs (int32 unless noted):
     src_offset[s, le] first row from source s inside expert le's rows
     src_rows[s, le]   rows source s sends me for le
     the received-rows record's slot of ``call`` (``sync``): the rows I receive, each
-    local expert's padded to ROW_ALIGN, the most any rank receives so, and local_rows
-    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS] (both 0 when the rows overflow),
+    local expert's padded to ROW_ALIGN, the most any rank receives so, the call's status
+    (a bad id), and local_rows
+    state[NUM_BLOCKS] (virtual blocks), state[NUM_ITEMS] (both 0 when the rows overflow
+    or an id is bad),
     state[TIMEOUT_NS]; resets the tile counters of this call
 """
 
@@ -57,11 +60,15 @@ from titan_megamoe.kernels.sync import (
     NUM_ITEMS,
     RECEIVE_OVERFLOW,
     RECEIVED_ADDR,
+    RECEIVED_BAD_ID,
+    RECEIVED_BAD_RANK,
+    RECEIVED_BAD_SLOT,
     RECEIVED_CALL,
     RECEIVED_COUNTS,
     RECEIVED_MOST,
     RECEIVED_ROWS,
     RECEIVED_SLOTS,
+    RECEIVED_STATUS,
     RECOMPUTE_NEXT_TILE,
     TIMEOUT_NS,
     fail,
@@ -100,6 +107,7 @@ def layout_kernel(
     COUNTS: tl.constexpr,
     COUNT_READY: tl.constexpr,
     NEEDS_INPUT: tl.constexpr,
+    BAD_IDS: tl.constexpr,
     EP_PAD: tl.constexpr,
     LOCAL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -113,13 +121,13 @@ def layout_kernel(
     tl.store(state + GEMM2_FINISHED, 0)
     num_experts = ep * local_experts
 
-    below = tl.load(send_start)  # ids < 0
-    in_range = tl.load(send_start + num_experts)  # ids < E
-    if (below != 0) | (in_range != num_rows):
-        # Report the first bad row in sorted order: a negative id, else the largest id.
-        at = tl.where(below != 0, 0, num_rows - 1)
-        fail(BAD_EXPERT_ID, at, tl.load(ids + tl.load(order + at)).to(tl.int64), num_experts,
-             flags, flag_ptrs, state, rank, ep)
+    # Ids below 0 sort first, ids from E on last (stably: in token order among themselves).
+    # This rank's first bad id: its first negative one, else its first one too large.
+    below = tl.load(send_start)
+    valid_end = tl.load(send_start + num_experts)
+    has_bad = (below != 0) | (valid_end != num_rows)
+    bad_slot = tl.load(order + tl.where(below != 0, 0, valid_end), mask=has_bad, other=-1)
+    bad_id = tl.load(ids + bad_slot, mask=has_bad, other=0).to(tl.int64)
 
     # My counts, [owner r, local expert le] with global expert e = r * E_local + le.
     r = tl.arange(0, EP_PAD)[:, None]
@@ -132,6 +140,8 @@ def layout_kernel(
         peer_flags = peer_pointer(flags, flag_ptrs, peer, rank)
         tl.store(peer_flags + COUNTS + rank * num_experts + e, sent, mask=valid)
         tl.store(peer_flags + NEEDS_INPUT + rank, needs_input)
+        tl.store(peer_flags + BAD_IDS + 2 * rank, (bad_slot + 1).to(tl.int64))
+        tl.store(peer_flags + BAD_IDS + 2 * rank + 1, bad_id)
     tl.debug_barrier()
     for peer in range(ep):
         peer_flags = peer_pointer(flags, flag_ptrs, peer, rank)
@@ -140,6 +150,19 @@ def layout_kernel(
     wait_all(flags + COUNT_READY + sources, sources, sources < ep, epoch, COUNT_READY_TIMEOUT,
              flags, flag_ptrs, state, rank, ep, EP_PAD)
     tl.debug_barrier()
+
+    # Every rank reads the same bad ids: the first source's first one is the call's.
+    bad_slots = tl.load(flags + BAD_IDS + 2 * sources, mask=sources < ep, other=0, volatile=True)
+    bad = tl.max(bad_slots, axis=0) > 0
+    culprit = tl.min(tl.where(bad_slots > 0, sources, EP_PAD), axis=0)
+    culprit_slot = tl.max(tl.where(sources == culprit, bad_slots, 0), axis=0) - 1
+    culprit_id = tl.load(flags + BAD_IDS + 2 * culprit + 1, mask=bad, other=0, volatile=True)
+    received = tl.load(state + RECEIVED_ADDR).to(tl.pointer_type(tl.int64)) + (
+        call % RECEIVED_SLOTS) * (RECEIVED_COUNTS + local_experts)
+    tl.store(received + RECEIVED_STATUS, tl.where(bad, BAD_EXPERT_ID, 0).to(tl.int64))
+    tl.store(received + RECEIVED_BAD_RANK, culprit.to(tl.int64), mask=bad)
+    tl.store(received + RECEIVED_BAD_SLOT, culprit_slot.to(tl.int64), mask=bad)
+    tl.store(received + RECEIVED_BAD_ID, culprit_id, mask=bad)
 
     # counts[s, r, le]: rows source s routes to owner r's local expert le.
     s3 = tl.arange(0, EP_PAD)[:, None, None]
@@ -153,11 +176,12 @@ def layout_kernel(
     aligned = (rows + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     per_owner = tl.sum(aligned, axis=1)  # [r]
     most = tl.max(per_owner, axis=0)
-    # Every rank derives the same verdict from the same counts.
+    # Every rank derives the same verdicts from the same counts and ids.
     overflow = most > capacity_rows
-    if overflow & (skip_overflow == 0):
+    if overflow & (skip_overflow == 0) & (bad == 0):
         fail(RECEIVE_OVERFLOW, tl.argmax(per_owner, axis=0), most.to(tl.int64), capacity_rows,
              flags, flag_ptrs, state, rank, ep)
+    no_work = overflow | bad
     base = tl.cumsum(aligned, axis=1) - aligned
     padded = (rows + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     virtual_base = tl.cumsum(padded, axis=1) - padded
@@ -170,7 +194,7 @@ def layout_kernel(
     per_expert = tl.sum(chunks, axis=0)
     before = (tl.cumsum(per_expert, axis=0) - per_expert)[None, :] + tl.cumsum(chunks, axis=0) - chunks
     tl.store(item_start + le * ep + r, before, mask=valid)
-    tl.store(state + NUM_ITEMS, tl.where(overflow, 0, tl.sum(tl.sum(chunks, axis=1), axis=0)))
+    tl.store(state + NUM_ITEMS, tl.where(no_work, 0, tl.sum(tl.sum(chunks, axis=1), axis=0)))
 
     # What I receive, as the owner.
     lane = tl.arange(0, LOCAL_PAD)
@@ -182,9 +206,7 @@ def layout_kernel(
     tl.store(local_rows + lane, my_rows, mask=mine)
     tl.store(tokens_per_expert + lane, my_rows.to(tl.int64), mask=mine)
     tl.store(state + NUM_BLOCKS,
-             tl.where(overflow, 0, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M))
-    received = tl.load(state + RECEIVED_ADDR).to(tl.pointer_type(tl.int64)) + (
-        call % RECEIVED_SLOTS) * (RECEIVED_COUNTS + local_experts)
+             tl.where(no_work, 0, tl.sum(tl.sum(tl.where(owner, padded, 0), axis=1), axis=0) // BLOCK_M))
     owners = tl.arange(0, EP_PAD)
     tl.store(received + RECEIVED_ROWS, tl.sum(tl.where(owners == rank, per_owner, 0), axis=0).to(tl.int64))
     tl.store(received + RECEIVED_MOST, most.to(tl.int64))

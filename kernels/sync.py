@@ -10,16 +10,18 @@ values from earlier calls never match, so flags are never reset.
 A *call* is one forward or one backward of the operator; both start with the layout
 kernel. One call, on every rank (all launches on one stream, in this order)::
 
-    layout     check my expert ids (a bad id fails the call, below)
-               write my per-expert counts into every peer's COUNTS[me], and
-               whether I need the expert inputs sent again: NEEDS_INPUT[me]   (plain stores)
+    layout     write my per-expert counts into every peer's COUNTS[me], whether I
+               need the expert inputs sent again: NEEDS_INPUT[me], and my first
+               expert id outside [0, E), if any: BAD_IDS[me]                  (plain stores)
                set every peer's COUNT_READY[me] = epoch                       (release, sys)
                wait COUNT_READY[s] == epoch for every source s               (acquire, sys)
                -> every rank derives the same receive layout from COUNTS; where
                   some rank's rows would not fit its receive buffers, every rank finds
                   so: a forward's first run then publishes no work (the kernels below
                   pass their barriers and store nothing), the host grows the buffers
-                  and runs the call again; any other call fails (RECEIVE_OVERFLOW)
+                  and runs the call again; any other call fails (RECEIVE_OVERFLOW).
+                  Where some rank's BAD_IDS holds an id, every rank publishes no work
+                  and records the id in its received-rows record (BAD_EXPERT_ID, below)
     dispatch   per chunk of <= BLOCK_M rows for one expert: store the rows and their
                origin into the owner's receive buffer (the backward: also the rows of
                dy and the scores; the expert inputs only if the owner's NEEDS_INPUT),
@@ -41,11 +43,22 @@ layout's wait in call n+1 only after every peer has started call n+1, i.e. after
 peer's stream has finished call n (including its reads of the buffers I am about to
 write). Writers of call n+1 are therefore always behind the readers of call n.
 
+**Bad expert ids** are not a failure of the protocol: the rows of an id outside
+``[0, E)`` sort outside every expert's range (``forward.sort_rows``), so no row of
+theirs is ever sent; the layout only has to keep the call from computing a result.
+Each rank publishes its first bad id (BAD_IDS) with its counts; every rank then reads
+the same BAD_IDS, publishes no work, so that the call's kernels pass their barriers and
+store nothing, and writes status BAD_EXPERT_ID with the first bad rank's id and its
+(token, slot) into the call's received-rows record. The forward reads that record on
+the host once its launches are made (``forward.fused_forward``) and raises, naming the
+id, on every rank; the group stays in step, so the next call runs normally. A backward
+routes its forward's rows, which that forward's layout found valid.
+
 **Failure.** Every wait has a wall-clock deadline (``state[TIMEOUT_NS]``, the settings'
 ``timeout_s``; read from the GPU's global timer). A rank *fails* when a wait passes its
-deadline, when its expert ids are out of range, when a peer has failed, or when a
-call other than a forward's first run brings some rank more rows than its receive
-buffers hold (the forward's growth rules that out). Failing:
+deadline, when a peer has failed, or when a call other than a forward's first run
+brings some rank more rows than its receive buffers hold (the forward's growth rules
+that out). Failing:
 
 1. records ``(code, rank, index, value seen, value expected, epoch)`` once in its *status*
    record (host memory, so the host reads it without synchronising);
@@ -86,41 +99,50 @@ RECEIVED_ADDR = tl.constexpr(8)
 STATE_WORDS = 9
 
 # The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows, most,
-# rows of local expert 0, 1, ...] (RECEIVED_COUNTS + local experts words). The layout
-# kernel of call n (as the host counts calls: ``ForwardBuffers.calls``, passed to it)
-# writes, into slot n % RECEIVED_SLOTS, the rows this rank receives in that call (each
-# local expert's padded to its alignment), the most rows any rank of the group receives
-# (so counted; every rank derives the same figure from the same counts) and each local
-# expert's rows: first those, then n (release, sys). The host reads the slot of a
-# forward's call when its backward sizes the buffers that hold one row per received row
-# and splits the weight gradients by expert, without synchronising (the backward routes
-# the same rows); and, where the receive buffers hold fewer rows than any routing can
-# bring, when a forward, its launches made, checks whether the layout found that every
-# rank's rows fit (``ForwardBuffers.grow_to_fit``): all ranks read the same ``most`` and
-# grow alike.
+# status, bad rank, bad slot, bad id, rows of local expert 0, 1, ...] (RECEIVED_COUNTS +
+# local experts words). The layout kernel of call n (as the host counts calls:
+# ``ForwardBuffers.calls``, passed to it) writes, into slot n % RECEIVED_SLOTS, the rows
+# this rank receives in that call (each local expert's padded to its alignment), the most
+# rows any rank of the group receives (so counted; every rank derives the same figure from
+# the same counts), the call's status (0, or BAD_EXPERT_ID with the first rank whose
+# ``topk_idx`` holds an id outside [0, E), that id's flat index ``token * top_k + slot``
+# there and the id; the three words are written only then) and each local expert's rows:
+# first those, then n (release, sys). Every forward, its launches made, reads its slot on
+# the host (``ForwardBuffers.received_rows``): it raises on a bad id and, where the
+# receive buffers hold fewer rows than any routing can bring, checks whether every rank's
+# rows fit (``ForwardBuffers.grow_to_fit``; all ranks read the same ``most`` and grow
+# alike). Its backward reads the same slot, without synchronising, to size the buffers
+# that hold one row per received row and to split the weight gradients by expert (the
+# backward routes the same rows).
 RECEIVED_SLOTS = tl.constexpr(1024)
 RECEIVED_CALL = tl.constexpr(0)
 RECEIVED_ROWS = tl.constexpr(1)
 RECEIVED_MOST = tl.constexpr(2)
-RECEIVED_COUNTS = tl.constexpr(3)
+RECEIVED_STATUS = tl.constexpr(3)
+RECEIVED_BAD_RANK = tl.constexpr(4)
+RECEIVED_BAD_SLOT = tl.constexpr(5)
+RECEIVED_BAD_ID = tl.constexpr(6)
+RECEIVED_COUNTS = tl.constexpr(7)
 
 ABORT = tl.constexpr(0)
 """ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without
 an offset argument."""
 
-# Status codes (status record word CODE), by what failed.
+# Status codes: of a failure (status record word CODE), by what failed; or of a call that
+# ran but computed nothing (received-rows record word RECEIVED_STATUS).
 COUNT_READY_TIMEOUT = tl.constexpr(1)
 CHUNK_READY_TIMEOUT = tl.constexpr(2)
 COMBINE_READY_TIMEOUT = tl.constexpr(3)
 PEER_FAILED = tl.constexpr(4)
 BAD_EXPERT_ID = tl.constexpr(5)
+"""A rank's ``topk_idx`` holds an id outside [0, E): the call published no work
+(received-rows record; not a failure, see the module docstring)."""
 RECEIVE_OVERFLOW = tl.constexpr(6)
 FAILURES = {
     COUNT_READY_TIMEOUT.value: "COUNT_READY",
     CHUNK_READY_TIMEOUT.value: "CHUNK_READY",
     COMBINE_READY_TIMEOUT.value: "COMBINE_READY",
     PEER_FAILED.value: "a peer's failure",
-    BAD_EXPERT_ID.value: "an expert id out of range",
     RECEIVE_OVERFLOW.value: "receive buffers too small for a call's rows",
 }
 """Status code -> what failed (a waited flag array, a peer, or the input)."""
@@ -179,9 +201,15 @@ class FlagLayout:
         return self.combine_ready + self.ep
 
     @property
+    def bad_ids(self) -> int:
+        """BAD_IDS[source] = [flat index + 1 of the source's first expert id outside
+        [0, E), or 0 where it has none; that id], rewritten by every call's layout."""
+        return self.needs_input + self.ep
+
+    @property
     def chunk_ready(self) -> int:
         """CHUNK_READY[source, local expert, chunk]."""
-        return self.needs_input + self.ep
+        return self.bad_ids + 2 * self.ep
 
     @property
     def words(self) -> int:

@@ -1,13 +1,15 @@
-"""Compare TorchTitan training logs of the same TOML: stock MoE against mega_moe, and more runs.
+"""Compare TorchTitan training logs of the same config: stock MoE against mega_moe, and more runs.
 
     python scripts/ab_report.py --stock stock.log --mega-moe mega_moe.log [--window 6-20] [--out DIR]
         [--also NAME=LOG ...] [--baseline NAME]
 
-Reads TorchTitan 0.2.2's per-step line (colour codes and torchrun's ``[rankN]:`` prefix
-allowed; log_freq must be 1 over the window)
+Reads the per-step line of TorchTitan 0.2.2 and 0.3.0 (colour codes and torchrun's
+``[rankN]:`` prefix allowed; log_freq must be 1 over the window)
 
     [titan] 2025-01-01 12:00:00,123 - root - INFO - step:  7  loss:  5.12345  grad_norm:  1.2345
     memory: 40.12GiB(29.50%)  tps: 7,886  tflops: 123.45  mfu: 12.34%
+
+(0.3.0 prints ``mfu: N/A`` when torchao quantizes: its MFU counts bf16 peak FLOPS.)
 
 and prints a markdown table, one row per run: mean step time (the gap between consecutive
 step lines' timestamps) and tokens/s/GPU (TorchTitan's tps) over the window, peak reserved
@@ -34,7 +36,7 @@ _TIMESTAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 _STEP = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
     r"memory:\s*(?P<memory_gib>[\d.]+)GiB\([\d.]+%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
-    r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%"
+    r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?:(?P<mfu>[\d.]+)%|N/A)"
 )
 _TOTAL_STEPS = re.compile(r"total steps (\d+)")
 _RUN_NAME = re.compile(r"[\w.+-]+")

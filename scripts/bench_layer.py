@@ -17,7 +17,9 @@ checks its arguments, says what it will run and starts itself under torchrun: on
 per visible GPU with NCCL or, with no GPU, 2 gloo ranks on the CPU. On the CPU every
 argument left out takes a small default (shape ``debug``, 256 tokens/rank, 3 iterations,
 mega_moe on its ``reference`` backend, no ``stock_compiled``) instead of the GPU shapes,
-and the first line printed says so.
+and the first line printed says so. A CPU run checks that mega_moe computes what stock
+computes; its timings say nothing about GPU speed, so it states no speedup, rate or
+plot, and its header and summary say why.
 
 Every rank runs the same fixed number of iterations (a self-tuning timer would run a
 different count per rank and deadlock the collectives inside). ``--forward-only`` times
@@ -113,6 +115,13 @@ MEMORY_SITES_PRINTED = 12
 """Allocation sites printed per variant with ``--memory`` (the JSON holds them all)."""
 
 CPU_RANKS = 2
+CPU_BACKEND_REASON = ("chosen for the CPU: the fused kernels need an NVIDIA GPU, and auto would run mega_moe as "
+                      "stock, the path the stock variant runs")
+"""Why a CPU run's mega_moe runs the reference backend when ``--backend`` is left out."""
+CPU_CAVEAT = ("CPU timings say nothing about GPU speed: no GPU path runs here (the fused kernels need an NVIDIA "
+              "GPU; stock's grouped GEMMs run as a for-loop on the CPU). This A/B checks that mega_moe computes "
+              "what stock computes (its errors against stock), not which is faster")
+"""What a CPU run's header and summary say of its timings."""
 COMPUTE_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 """Weights and activations of every variant, by device type."""
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -233,16 +242,18 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     if "mega_moe_bf16" in args.variants and args.precision in ("auto", "bf16"):
         p.error(f"--variants: mega_moe_bf16 sets a quantized --precision against bf16; with --precision "
                 f"{args.precision} mega_moe itself runs bf16")
+    args.backend_left_out = "backend" in left_out
     if device.type == "cpu":
         if "stock_compiled" in args.variants:
             p.error("--variants: stock_compiled needs a GPU (it compiles the grouped GEMM as TorchTitan does there)")
         if "shapes" in left_out or "tokens" in left_out:
             gpu = DEFAULTS["cuda"]
+            backend = f"mega_moe backend {args.backend}" + (", chosen for the CPU" if args.backend_left_out else "")
             note = (
                 f"[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead: shape "
                 f"{','.join(args.shapes)} at {','.join(map(str, args.tokens))} tokens/rank, "
                 f"{CPU_RANKS} gloo ranks, {args.iters} iterations after {args.warmup} warmup, "
-                f"{' vs '.join(args.variants)} (mega_moe backend {args.backend}). The "
+                f"{' vs '.join(args.variants)} ({backend}). {CPU_CAVEAT}. The "
                 f"{' and '.join(gpu['shapes'])} shapes at {' and '.join(f'{t:,}' for t in gpu['tokens'])} "
                 f"tokens/rank need NVIDIA GPUs: run ./scripts/bench_layer.sh "
                 f"{shlex.join(sys.argv[1:] if argv is None else argv)} on a machine with them"
@@ -259,6 +270,8 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                                                get_precision("bf16"), ep_within_node=not args.ep_spans_nodes)
     except NotImplementedError as error:
         p.error(f"--backend {args.backend}: {error}")
+    if device.type == "cpu" and args.backend_left_out:
+        args.backend_reason = CPU_BACKEND_REASON
     return args, note
 
 
@@ -281,9 +294,11 @@ def stock_fp8_refusal(device: torch.device) -> str | None:
 
 def worker_argv(args) -> list[str]:
     """The arguments that give the ranks exactly what the launcher resolved."""
+    # A backend left out is left out for the ranks too: they say why it was chosen.
+    backend = [] if args.backend_left_out else ["--backend", args.backend]
     argv = [
         "--shapes", ",".join(args.shapes), "--tokens", ",".join(map(str, args.tokens)),
-        "--variants", ",".join(args.variants), "--precision", args.precision, "--backend", args.backend,
+        "--variants", ",".join(args.variants), "--precision", args.precision, *backend,
         "--comm-sms", str(args.comm_sms), "--reserved-sms", str(args.reserved_sms), "--save-gemm1-load", str(args.save_gemm1_load),
         "--capacity-factor", str(args.capacity_factor), "--receive-load", str(args.receive_load),
         "--warmup", str(args.warmup), "--iters", str(args.iters),
@@ -653,7 +668,8 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
             torch.cuda.synchronize()
             dist.barrier()
             fused.release_buffers()
-        add_rates(result, fwd_flops, peak)
+        if device.type == "cuda":
+            add_rates(result, fwd_flops, peak)
         if name == "stock":
             reference = (y, grads)
         elif reference is not None:
@@ -665,15 +681,15 @@ def bench_row(layers, shape_name, tokens, args, device, dtype, timer, peak, say)
                 f"before ({result['resident_memory_gib']:.2f} GiB):")
             for site, size, count in result["memory_at_peak"]["sites"][:MEMORY_SITES_PRINTED]:
                 say(f"    {size / 2**20:10.1f} MiB  x{count:<3} {site}")
-    row["speedup"] = speedups(row)
+    row["speedup"] = speedups(row) if device.type == "cuda" else {}
     return row
 
 
-def progress(row, forward_only) -> str:
+def progress(row, forward_only, gpu_timings: bool) -> str:
     """One line per finished row."""
     parts = [f"{name} {times_text(row[name], forward_only)}" for name in VARIANTS if name in row]
-    what = "fwd" if forward_only else "fwd / fwd+bwd"
-    return f"[bench_layer] {row['shape']} {row['tokens_per_rank']:,} tokens/rank ({what} ms): " + ", ".join(parts)
+    what = ("fwd" if forward_only else "fwd / fwd+bwd") + (" ms" if gpu_timings else " ms on the CPU, not a speed result")
+    return f"[bench_layer] {row['shape']} {row['tokens_per_rank']:,} tokens/rank ({what}): " + ", ".join(parts)
 
 
 def _get(row, variant, key):
@@ -693,6 +709,9 @@ def describe(meta) -> str:
     precision = f"precision {meta['precision']}"
     if meta["precision_requested"] == "auto":
         precision += " (auto: bf16, as with no torchao grouped-MM converter)"
+    if not get_precision(meta["precision"]).quantized and meta["dtype"] != "bfloat16":
+        # "bf16" names the unquantized format: the GEMMs then run in the tensors' own dtype.
+        precision += f": GEMMs unquantized, in {meta['dtype']}"
     fused = ""
     if meta["backend"] == "fused":
         capacity = meta["capacity_factor"]
@@ -702,8 +721,8 @@ def describe(meta) -> str:
                  + (f"GEMM1 saved for the backward up to {meta['save_gemm1_load']}x the mean load"
                     if meta["save_gemm1"] else "GEMM1 recomputed for the backward"))
     return (
-        f"{meta['device']} x{meta['ep']} ({meta['dist_backend']}, EP={meta['ep']}), {meta['dtype']}; "
-        f"mega_moe {backend}, {precision}{fused}; "
+        f"{meta['device']} x{meta['ep']} ({meta['dist_backend']}, EP={meta['ep']}); weights and activations "
+        f"{meta['dtype']} in every variant; mega_moe {backend}, {precision}{fused}; "
         f"shapes {', '.join(meta['shapes'])}; tokens/rank {', '.join(f'{t:,}' for t in meta['tokens'])}; "
         f"{'forward only (no_grad)' if meta['forward_only'] else 'forward + backward'}, "
         f"median of {meta['iters']} iterations after {meta['warmup']} warmup"
@@ -716,13 +735,14 @@ def table_columns(rows, meta) -> list[tuple[str, list[str | None]]]:
     if not meta["forward_only"]:
         passes += [("backward", "bwd"), ("fwd_bwd", "fwd+bwd")]
     columns = [("shape", [r["shape"] for r in rows]), ("tokens/rank", [f"{r['tokens_per_rank']:,}" for r in rows])]
+    gpu = meta["gpu_timings"]  # CPU timings compare nothing: no speedups or rates from them
     for key, short in passes:
         columns += [(f"{LABELS[v]} {short} ms", [_fmt(_get(r, v, f"{key}_ms")) for r in rows]) for v in VARIANTS]
         columns += [
             (f"{short} speedup vs {LABELS[base]}", [_fmt(r["speedup"].get(f"{key}_vs_{base}"), "{:.2f}x") for r in rows])
-            for base in BASELINES
+            for base in BASELINES if gpu
         ]
-        if key == "forward":
+        if key == "forward" and gpu:
             rates = []
             for r in rows:
                 rate = _fmt(_get(r, "mega_moe", "forward_tflops"), "{:.3g}")
@@ -743,11 +763,20 @@ def table_columns(rows, meta) -> list[tuple[str, list[str | None]]]:
 def markdown(rows, meta) -> str:
     peak = meta["matmul_peak_tflops"]
     lines = [f"Layer A/B on {describe(meta)}" + (f"; bf16 matmul peak measured {peak:.0f} TFLOP/s" if peak else ""), ""]
+    if not meta["gpu_timings"]:
+        lines[1:1] = ["", f"{CPU_CAVEAT}."]
     columns = table_columns(rows, meta)
     lines += ["| " + " | ".join(h for h, _ in columns) + " |", "|" + " --- |" * len(columns)]
     for i in range(len(rows)):
         lines.append("| " + " | ".join("-" if cells[i] is None else cells[i] for _, cells in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def cpu_summary(rows) -> str:
+    """The last line of a CPU run: what it checked, and what its timings are not."""
+    errors = [max(e.values()) for r in rows if (e := _get(r, "mega_moe", "rel_err_vs_stock"))]
+    checked = f"mega_moe's largest relative error against stock: {max(errors):.1e}. " if errors else ""
+    return f"[bench_layer] summary: {checked}{CPU_CAVEAT}; ./scripts/bench_layer.sh on NVIDIA GPUs measures speed"
 
 
 def plot_title(meta) -> str:
@@ -758,6 +787,8 @@ def plot_title(meta) -> str:
 
 
 def plot(rows, meta, path: Path) -> str:
+    if not meta["gpu_timings"]:  # bars of CPU timings would read as a speed result
+        return "no plot: CPU timings say nothing about GPU speed"
     try:
         import matplotlib
 
@@ -818,7 +849,7 @@ def run(args, device, note) -> None:
         say(note)
     dtype = COMPUTE_DTYPE[device.type]
     meta = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "ep": world,
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "gpu_timings": cuda, "ep": world,
         "dist_backend": dist.get_backend(), "dtype": str(dtype).removeprefix("torch."),
         "shapes": args.shapes, "tokens": args.tokens, "variants": args.variants,
         "precision": args.precision_name, "precision_requested": args.precision,
@@ -829,6 +860,8 @@ def run(args, device, note) -> None:
         "warmup": args.warmup,
     }
     say(f"[bench_layer] {describe(meta)}")
+    if not cuda:
+        say(f"[bench_layer] {CPU_CAVEAT}")
     ep_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",)) if world > 1 else None
     settings = OperatorSettings(precision=args.precision_name, backend=args.resolved_backend,
                                 comm_sms=args.comm_sms, reserved_sms=args.reserved_sms, save_gemm1=args.save_gemm1,
@@ -843,7 +876,7 @@ def run(args, device, note) -> None:
         for tokens in args.tokens:
             row = bench_row(layers, shape_name, tokens, args, device, dtype, timer, meta["matmul_peak_tflops"], say)
             rows.append(row)
-            say(progress(row, args.forward_only))
+            say(progress(row, args.forward_only, cuda))
         free(layers)
 
     if rank0:
@@ -855,6 +888,8 @@ def run(args, device, note) -> None:
         print(table)
         print(plot(rows, meta, out / "bench_layer.png"))
         print(f"wrote {out / 'bench_layer.json'} and {out / 'bench_layer.md'}", flush=True)
+        if not cuda:
+            print(cpu_summary(rows), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """What each fused kernel takes of a GPU, compiled on any host (no GPU needed).
 
     python scripts/kernel_resources.py [--precisions bf16,fp8,fp8_bwd] [--shape 30B-A3B]
-                                       [--arch sm90] [--out DIR]
+                                       [--arch sm90] [--gluon] [--out DIR]
 
 Runs the fused forward and backward (GEMM1 saved and recomputed, both score modes) on CPU
 tensors with every Triton launch replaced by a compile for the architecture's target
@@ -11,6 +11,11 @@ instructions (how many, subroutine calls, local-memory accesses, stores of one o
 bytes) and MMA instructions, read from the compiled binary. A kernel whose shared memory
 exceeds the architecture's limit cannot launch; spills cost time (and, on first launch, a
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
+
+``--gluon`` compiles the Gluon grouped GEMM core instead, at the layer's four row GEMMs with
+its default tiles, and records what the machine code shows of its warp specialization:
+register reallocations (``setmaxnreg``), TMA loads and the wgmma groups each wait leaves
+in flight.
 
 The compile-only launch swaps in a stand-in for Triton's CUDA driver that names the
 target and never touches a device: it depends on Triton's runtime internals (tested
@@ -90,8 +95,8 @@ bytes wide)."""
 def _usage(cubin: bytes) -> dict[str, int]:
     """Registers and stack bytes of a cubin, as ``cuobjdump -res-usage`` reports them, and
     from its machine code: instructions, subroutine calls (a correctly rounded division's
-    slow path is one; the registers live across a call are spilled) and local-memory
-    loads and stores (spills)."""
+    slow path is one; the registers live across a call are spilled), local-memory
+    loads and stores (spills), narrow stores and the warp-specialized structure."""
     report, sass = _cuobjdump(cubin, "-res-usage", "-sass")
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", report)
     if found is None:
@@ -100,7 +105,17 @@ def _usage(cubin: bytes) -> dict[str, int]:
     opcodes = SASS_OPCODE.findall(sass)
     return {"registers": regs, "stack_bytes": stack, "instructions": len(opcodes),
             "calls": opcodes.count("CALL"), "local_accesses": opcodes.count("STL") + opcodes.count("LDL"),
-            "narrow_stores": len(NARROW_STORE.findall(sass))}
+            "narrow_stores": len(NARROW_STORE.findall(sass)), **_warp_specialization(sass)}
+
+
+def _warp_specialization(sass: str) -> dict[str, object]:
+    """What a warp-specialized Hopper kernel's machine code shows of its structure: register
+    reallocations between partitions (``setmaxnreg``), TMA loads, and how many wgmma groups
+    each wait leaves in flight."""
+    return {"setmaxnreg": len(re.findall(r"\bUSETMAXREG\b", sass)),
+            "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
+            "mma_waits_in_flight": sorted({int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)",
+                                                                          sass)})}
 
 
 def _mma_shapes(ptx: str) -> str:
@@ -160,15 +175,42 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
             # Half the mean load saved: the backward's launch for the rows past them compiles
             # too. The backward consumes them: one per call.
             saved = torch.empty(preact_shape(fshape, tiles, 0.5, TOKENS_PER_RANK), dtype=torch.bfloat16) if save else None
+            # No kernel runs: the record the layout kernel writes, which the forward and its
+            # backward read, is written here, every row the receive buffer holds, so every launch compiles.
+            received = buffers.recv.shape[0] - tiles.block_m
+            buffers.publish_received(buffers.calls + 1, received, received, [received // local] * local)
             _, _, routing, call = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
                                                 PROGRAMS, 10.0, preact=saved)
-            # No kernel runs: the record the layout kernel writes for the backward is
-            # written here, every row the receive buffer holds, so every launch compiles.
-            received = buffers.recv.shape[0] - tiles.block_m
-            per_expert = [received // local] * local
-            buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, received, received, *per_expert])
             fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, call, buffers, grad, score_before,
                            COMM_PROGRAMS, PROGRAMS, 10.0)
+
+
+def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict]:
+    """The Gluon grouped GEMM core (``kernels.gluon.sm90``) at the layer's GEMMs, as
+    ``scripts/gemm_bench.py`` runs them with the core's default tiles, on CPU tensors: one
+    record per GEMM, named ``gluon <gemm>``."""
+    import gemm_bench
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import DEFAULT_TILES, ExpertLayout, grouped_gemm
+
+    local = SHAPES[shape].experts // EP
+    layout = ExpertLayout.from_counts(torch.full((local,), TOKENS_PER_RANK), block_m=128, row_align=32)
+    fp8 = precision_name == "fp8"
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    compiled = []
+    for gemm in gemm_bench.GEMMS:
+        case = gemm_bench.gemm_case(shape, local, gemm, precision_name)
+        rows = layout.rows + 128
+        b_shape = (local, case.n, case.k) if case.b_k_major else (local, case.k, case.n)
+        b = torch.zeros(b_shape, dtype=dtype)
+        scales = ((torch.ones(rows, case.k // 128), torch.ones(local, case.n // 128, case.k // 128)) if fp8
+                  else (None, None))
+        records.clear()
+        grouped_gemm(torch.zeros(rows, case.k, dtype=dtype), b, torch.empty(rows, case.n, dtype=torch.bfloat16),
+                     layout, DEFAULT_TILES[precision_name, case.two_b], b2=torch.zeros_like(b) if case.two_b else None,
+                     a_scale=scales[0], b_scale=scales[1], b_k_major=case.b_k_major,
+                     epilogue="swiglu" if case.two_b else "store", programs=PROGRAMS)
+        compiled += [{**r, "kernel": f"gluon {gemm}"} for r in records]
+    return compiled
 
 
 def main(argv=None) -> int:
@@ -176,8 +218,13 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", default="bf16,fp8,fp8_bwd", help="comma-separated precisions")
     p.add_argument("--shape", default="30B-A3B", choices=list(SHAPES))
     p.add_argument("--arch", default="sm90", choices=list(CAPABILITY), help="tile-table architecture")
+    p.add_argument("--gluon", action="store_true",
+                   help="compile the Gluon grouped GEMM core (sm90; precisions bf16 and fp8) instead of the fused "
+                        "operator's kernels")
     p.add_argument("--out", default="outputs/kernel_resources")
     args = p.parse_args(argv)
+    if args.gluon and (args.arch != "sm90" or not set(args.precisions.split(",")) <= {"bf16", "fp8"}):
+        p.error("--gluon compiles the sm90 core in precisions bf16 and fp8")
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources: compiles for the GPU; unset TRITON_INTERPRET")
     results = {}
@@ -187,12 +234,15 @@ def main(argv=None) -> int:
     for name in args.precisions.split(","):
         records.clear()
         print(f"[kernel_resources] {name}, {args.shape}: compiling for {target}", file=sys.stderr, flush=True)
-        run_fused(name, args.shape, args.arch)
-        results[name] = list(records)
+        if args.gluon:
+            results[name] = run_gluon(name, args.shape, records)
+        else:
+            run_fused(name, args.shape, args.arch)
+            results[name] = list(records)
         print(f"\n{name} ({args.shape}, {target})")
         print(f"{'kernel':30s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} {'spill B':>7s} "
               f"{'instr':>6s} {'calls':>5s} {'STL/LDL':>7s} {'narrow':>6s}  mma")
-        for r in records:
+        for r in results[name]:
             over = "  > limit" if r["shared_bytes"] > limit else ""
             print(f"{r['kernel']:30s} {r['num_warps']:5d} {r['num_stages']:6d} {r['shared_bytes'] / 1024:9.1f} "
                   f"{r['registers']:4d} {r['stack_bytes']:7d} {r['instructions']:6d} {r['calls']:5d} "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch TorchTitan training the way TorchTitan's own run_train.sh does.
+# Launch TorchTitan 0.2.2 training the way TorchTitan's own run_train.sh does
+# (scripts/run_train_torchtitan03.sh launches TorchTitan 0.3.0's config functions).
 #
 #   CONFIG_FILE=train_configs/debug_moe_mega_moe.toml NGPU=2 ./scripts/run_train.sh [--section.key value ...]
 #
@@ -45,11 +46,7 @@ fi
 # The TOMLs name repo-relative assets (the tokenizer) and TorchTitan imports titan_megamoe from here.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# NVLink multicast stays off: the EP transport uses peer memory only.
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
-export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+. scripts/transport_env.sh
 
 set -x
 torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \

@@ -7,11 +7,13 @@ TorchTitan merges this module's ``JobConfig`` into its own when a TOML says
 
 Each key is the name of the ``titan_megamoe.settings.OperatorSettings`` field it sets.
 Importing this module runs the package's ``__init__`` first, which registers the
-converter, dataset and flavors (``titan_megamoe.registry``); the module itself needs
-neither TorchTitan nor torch.
+converter, dataset and flavors with the TorchTitan already loaded
+(``titan_megamoe.registry`` for 0.2.2); the module itself needs neither TorchTitan nor
+torch.
 """
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from titan_megamoe.precision import PRECISION_CHOICES
 from titan_megamoe.settings import DEFAULT_RECEIVE_LOAD, DEFAULT_SAVE_GEMM1_LOAD, DEFAULT_TIMEOUT_S
@@ -20,17 +22,24 @@ BACKEND_CHOICES = ("auto", "fused", "stock", "reference")
 """What ``[mega_moe] backend`` accepts."""
 
 
-def _invalid(name: str, value, expected: str) -> ValueError:
-    return ValueError(f"[mega_moe] {name} = {value!r} is not valid; {expected}")
+def _invalid(section: str, name: str, value, expected: str) -> ValueError:
+    return ValueError(f"{section} {name} = {value!r} is not valid; {expected}")
 
 
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def _check_choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise _invalid(name, value, "allowed values: " + ", ".join(repr(a) for a in allowed))
+        raise _invalid(section, name, value, "allowed values: " + ", ".join(repr(a) for a in allowed))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MegaMoE:
+    """The settings of the ``mega_moe`` converter. TorchTitan 0.2.2 reads them from the
+    ``[mega_moe]`` TOML section; TorchTitan 0.3.0's ``MegaMoEConverter.Config``
+    (``titan_megamoe.torchtitan03``) has the same fields."""
+
+    SETTINGS_NAME: ClassVar[str] = "[mega_moe]"
+    """How errors and the log name where the settings were written."""
+
     precision: str = "auto"
     """Numeric format of the routed-expert GEMMs: auto | bf16 | fp8 | fp8_bwd |
     fp8_wgrad_bf16 | mxfp8 | mxfp8_wgrad_bf16. ``auto`` follows the torchao grouped-MM
@@ -94,23 +103,25 @@ class MegaMoE:
     every rank of the group raises instead of hanging."""
 
     def __post_init__(self):
-        _check_choice("precision", self.precision, PRECISION_CHOICES)
-        _check_choice("backend", self.backend, BACKEND_CHOICES)
+        section = self.SETTINGS_NAME
+        _check_choice(section, "precision", self.precision, PRECISION_CHOICES)
+        _check_choice(section, "backend", self.backend, BACKEND_CHOICES)
         for name in ("capacity_tokens_per_rank", "comm_sms", "reserved_sms"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise _invalid(name, value, "expected an integer >= 0")
+                raise _invalid(section, name, value, "expected an integer >= 0")
         if not isinstance(self.save_gemm1, bool):
-            raise _invalid("save_gemm1", self.save_gemm1, "expected true or false")
+            raise _invalid(section, "save_gemm1", self.save_gemm1, "expected true or false")
         if isinstance(self.save_gemm1_load, bool) or not isinstance(self.save_gemm1_load, (int, float)) or not (
                 self.save_gemm1_load > 0):
-            raise _invalid("save_gemm1_load", self.save_gemm1_load, "expected a multiple of the mean load > 0")
+            raise _invalid(section, "save_gemm1_load", self.save_gemm1_load,
+                           "expected a multiple of the mean load > 0")
         if isinstance(self.receive_load, bool) or not isinstance(self.receive_load, (int, float)) or not (
                 self.receive_load >= 0):
-            raise _invalid("receive_load", self.receive_load,
+            raise _invalid(section, "receive_load", self.receive_load,
                            "expected a multiple of the mean load > 0, or 0 for every row any routing can bring")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise _invalid("timeout_s", self.timeout_s, "expected seconds > 0")
+            raise _invalid(section, "timeout_s", self.timeout_s, "expected seconds > 0")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The ``mega_moe`` model converter.
+"""The ``mega_moe`` model converter of TorchTitan 0.2.2.
 
 Listed in ``model.converters``, it
 - swaps every ``torchtitan.models.moe.MoE`` for ``MegaMoE`` (same parameter names);
@@ -9,14 +9,17 @@ Listed in ``model.converters``, it
   keeps that converter off the routed experts, which it now owns;
 - builds the layers' ``OperatorSettings`` once from ``[mega_moe]``, resolving the
   backend for the device and the dtype the experts will compute in, and logs one line
-  saying what it chose and why;
+  saying what it chose and why (``titan_megamoe.job_settings``);
 - refuses, at convert time, the combinations it cannot serve.
 
 ``titan_megamoe.registry`` registers it with TorchTitan.
 """
 
+from titan_megamoe import titan_version
+
+titan_version.require("0.2", __name__)
+
 import importlib
-import os
 
 import torch
 from torch import nn
@@ -28,12 +31,10 @@ from torchtitan.models.moe import MoE
 from torchtitan.tools.logging import logger
 from torchtitan.tools import utils as titan_utils
 
-from titan_megamoe import parallel
-from titan_megamoe.fused_support import operand_cast
+from titan_megamoe import job_settings, parallel
 from titan_megamoe.layer import MegaMoE
-from titan_megamoe.ops import resolve_backend, SAVE_LIST_OPS
-from titan_megamoe.precision import get_precision, precision_from_recipe
-from titan_megamoe.settings import OperatorSettings
+from titan_megamoe.ops import SAVE_LIST_OPS
+from titan_megamoe.precision import precision_from_recipe
 
 CONVERTER_NAME = "mega_moe"
 
@@ -70,31 +71,6 @@ def _unsupported_settings(job_config: JobConfig) -> list[str]:
     return problems
 
 
-FUSED_ONLY_SETTINGS = ("capacity_tokens_per_rank", "comm_sms", "reserved_sms", "save_gemm1", "save_gemm1_load",
-                       "receive_load", "timeout_s")
-"""``[mega_moe]`` keys that only the fused backend reads."""
-
-
-def _note_fused_only_settings(cfg, backend: str) -> None:
-    if backend == "fused":
-        return
-    defaults = type(cfg)()
-    changed = [f"{k} = {getattr(cfg, k)!r}" for k in FUSED_ONLY_SETTINGS if getattr(cfg, k) != getattr(defaults, k)]
-    if changed:
-        logger.warning(
-            f"mega_moe: {', '.join(changed)} only affect the fused backend; backend "
-            f"'{backend}' ignores them"
-        )
-
-
-def _ep_within_node(job_config: JobConfig) -> bool:
-    """Whether each EP group is GPUs of one node. TorchTitan builds EP from the innermost
-    mesh dimensions, so its groups are runs of consecutive ranks of length ep."""
-    ep = job_config.parallelism.expert_parallel_degree
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ep))
-    return ep <= local and local % ep == 0
-
-
 def _expert_dtype(job_config: JobConfig, parallel_dims: ParallelDims | None) -> torch.dtype:
     """The dtype the routed experts will compute in: FSDP2's mixed-precision parameter
     dtype where TorchTitan wraps them with ``fully_shard``, else fp32 (its AMP autocast,
@@ -106,6 +82,15 @@ def _expert_dtype(job_config: JobConfig, parallel_dims: ParallelDims | None) -> 
     if fsdp and job_config.training.mixed_precision_param == "bfloat16":
         return torch.bfloat16
     return torch.float32
+
+
+def _job_facts(job_config: JobConfig, parallel_dims: ParallelDims | None) -> job_settings.JobFacts:
+    return job_settings.JobFacts(
+        tokens_per_rank=job_config.training.local_batch_size * job_config.training.seq_len,
+        expert_dtype=_expert_dtype(job_config, parallel_dims),
+        device=torch.device(titan_utils.device_type),
+        ep_within_node=job_settings.ep_within_node(job_config.parallelism.expert_parallel_degree),
+    )
 
 
 class MegaMoEConverter:
@@ -121,44 +106,14 @@ class MegaMoEConverter:
                 "model.converters lists 'mega_moe' but the job config has no [mega_moe] "
                 "section: add  [job] custom_config_module = \"titan_megamoe.config\""
             )
-        problems = _unsupported_settings(job_config)
-        if problems:
-            raise ValueError("mega_moe cannot serve this job:\n  " + "\n  ".join(problems))
-
-        cfg = job_config.mega_moe
-        if cfg.precision == "auto":
-            precision_name, source = precision_from_recipe(
-                job_config.model.converters, job_config.quantize.grouped_mm.mx.recipe_name
-            )
-        else:
-            precision_name, source = cfg.precision, "[mega_moe] precision"
-        precision = get_precision(precision_name)
-        dtype = _expert_dtype(job_config, parallel_dims)
-        device = torch.device(titan_utils.device_type)
-        cast = operand_cast(device, dtype, precision) if cfg.backend in ("auto", "fused") else None
-        backend, why = resolve_backend(cfg.backend, device, cast or dtype, precision, _ep_within_node(job_config))
-        computes = str(dtype)
-        if cast is not None and backend == "fused":
-            computes += (f"; the fused kernels take {cast} copies of their tokens and weights, as "
-                         "TorchTitan's grouped-MM path does")
-        self.auto_backend = cfg.backend == "auto"
-        self.settings = OperatorSettings(
-            precision=precision,
-            backend=backend,
-            capacity_tokens_per_rank=cfg.capacity_tokens_per_rank
-            or job_config.training.local_batch_size * job_config.training.seq_len,
-            comm_sms=cfg.comm_sms,
-            reserved_sms=cfg.reserved_sms,
-            save_gemm1=cfg.save_gemm1,
-            save_gemm1_load=float(cfg.save_gemm1_load),
-            receive_load=float(cfg.receive_load),
-            timeout_s=float(cfg.timeout_s),
+        job_settings.refuse_unservable(_unsupported_settings(job_config))
+        resolved = job_settings.resolve(
+            job_config.mega_moe,
+            lambda: precision_from_recipe(job_config.model.converters, job_config.quantize.grouped_mm.mx.recipe_name),
+            _job_facts(job_config, parallel_dims),
         )
-        logger.info(
-            f"mega_moe: routed experts run precision '{precision_name}' (from {source}) "
-            f"on backend '{backend}' ({why}; experts compute in {computes})"
-        )
-        _note_fused_only_settings(cfg, backend)
+        self.settings = resolved.settings
+        self.auto_backend = resolved.auto_backend
         parallel.install()
         for name in SAC_SAVE_LIST_MODULES:
             importlib.import_module(name)._op_sac_save_list.update(SAVE_LIST_OPS)

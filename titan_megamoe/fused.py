@@ -17,10 +17,11 @@ What a call needs besides its tensors (the buffers, the program counts, the save
 pre-activations' shape) is resolved at the first call of its kind and looked up after
 (``CallPlan``): at small token counts the layer is bound by the host's time per call.
 
-A failure on the device (a peer past the deadline, a bad expert id: ``kernels.sync``)
-stops every rank's kernels; this module prints its message on stderr as soon as it is
-recorded and raises it at every later call, since the error PyTorch raises for the
-stopped kernels names nothing.
+A failure on the device (a peer past the deadline: ``kernels.sync``) stops every rank's
+kernels; this module prints its message on stderr as soon as it is recorded and raises it
+at every later call, since the error PyTorch raises for the stopped kernels names
+nothing. An expert id out of range stops nothing: the call's kernels do nothing and its
+forward raises ``ValueError`` naming the id on every rank (``kernels.forward.fused_forward``).
 """
 
 import atexit
@@ -211,8 +212,9 @@ def _start_reporting() -> None:
 
 
 def received_wait_s() -> float:
-    """Host seconds backwards have spent so far waiting for the device to run their
-    forward's layout kernel (``ForwardBuffers.received_rows``), over every buffer set."""
+    """Host seconds calls have spent so far waiting for the device to run a forward's
+    layout kernel (``ForwardBuffers.received_rows``: a forward its own, a backward its
+    forward's), over every buffer set."""
     return sum(b.received_wait_s for b in list(_BUFFERS.values()))
 
 

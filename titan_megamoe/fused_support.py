@@ -22,7 +22,14 @@ SERVED_DTYPES = {
 """Activation dtypes the kernels are built and tested for, by architecture."""
 
 AUTO_PRECISIONS = {
-    "sm90": ("bf16", "fp8", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
+    # fp8_bwd: no layer bench of fused fp8_bwd exists; its figures are derived from measured
+    # parts (one H200, EP 1, GEMM1 saved, bench_layer at 8e977fa): our bf16 forward, plus our
+    # fp8 backward (fp8 fwd+bwd minus fp8 fwd), against stock bf16, fwd / fwd+bwd ms:
+    # 30B-A3B 4k 1.19 / 4.32 vs 2.17 / 6.29, 16k 3.31 / 10.72 vs 7.21 / 18.31; 235B-A22B
+    # 4k 3.16 / 13.26 vs 5.14 / 14.75, 16k 10.45 / 34.83 vs 18.11 / 46.60; 30B-A3B@ep8 16k
+    # 2.98 / 8.88 vs 6.95 / 16.63. Faster at every row (least: 1.11x at 235B-A22B 4k),
+    # where stock's own fp8_bwd path takes 35.06 ms at 30B-A3B 16k (stock.AUTO_NOTES).
+    "sm90": ("bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
     "sm100": (),
     "interpret": ("bf16", "fp8", "fp8_bwd", "fp8_wgrad_bf16", "mxfp8", "mxfp8_wgrad_bf16"),
 }
@@ -30,9 +37,11 @@ AUTO_PRECISIONS = {
 fused layer the bench has measured faster than the same job without ``mega_moe`` there
 (``fp8``: stock with torchao's FP8 recipe; ``fp8_wgrad_bf16``, which no torchao recipe
 computes: stock bf16; sm90 ``mxfp8`` and ``mxfp8_wgrad_bf16``, which stock TorchTitan
-cannot run on Hopper: stock bf16, measured on one H200, perf log v20). The others run
-fused when asked for (``backend = "fused"``) and go to the stock backend under ``auto``:
-every sm100 kernel is compiled but never run."""
+cannot run on Hopper: stock bf16, measured on one H200, perf log v20), or, for sm90
+``fp8_bwd``, which no torchao recipe computes either, derived faster than stock bf16 from
+its measured parts (the comment above). The others run fused when asked for
+(``backend = "fused"``) and go to the stock backend under ``auto``: every sm100 kernel
+is compiled but never run."""
 
 
 def arch(device: torch.device) -> tuple[str | None, str]:

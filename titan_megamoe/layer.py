@@ -1,4 +1,4 @@
-"""``MegaMoE``: TorchTitan's MoE layer with the routed experts run as one
+"""``MegaMoE``: TorchTitan 0.2.2's MoE layer with the routed experts run as one
 ``OperatorSettings`` says: by the ``mega_moe`` operator or by TorchTitan's own path.
 
 Parameter and buffer names are TorchTitan's (``experts.w1/w2/w3``, ``router.gate.weight``,
@@ -7,37 +7,21 @@ between stock and converted models. The experts stay a module of their own, call
 per forward, so FSDP2's hooks and prefetch lists treat them exactly as stock.
 """
 
+from titan_megamoe import titan_version
+
+titan_version.require("0.2", __name__)
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.moe import MoE
 from torchtitan.models.moe.moe import GroupedExperts
-from torchtitan.tools.logging import logger
 
-from titan_megamoe import fused_support, stock
-from titan_megamoe.ops import mega_moe
+from titan_megamoe import stock
+from titan_megamoe.config import MegaMoE as MegaMoESection
+from titan_megamoe.expert_calls import CallPlan, CallPlans, RouterScores, run_operator
 from titan_megamoe.settings import OperatorSettings
-
-_logged_fallbacks: set[tuple[torch.dtype, str]] = set()
-"""(dtype, reason) of each fallback to ``stock`` already logged: one line per job, not per layer."""
-_logged_casts: set[tuple[torch.dtype, torch.dtype]] = set()
-"""(experts' dtype, cast) of each operand cast already logged (``MegaExperts._decide``)."""
-
-
-class RouterScores:
-    """fp32 router scores on their way into the experts module.
-
-    FSDP2's mixed precision casts every floating-point tensor among a module's forward
-    inputs to the parameter dtype; the operator needs the scores in fp32, as stock
-    TorchTitan keeps them. The cast maps over pytrees, and this holder is a leaf that is
-    not a tensor, so the scores pass through untouched (gradients included).
-    """
-
-    __slots__ = ("scores",)
-
-    def __init__(self, scores: torch.Tensor):
-        self.scores = scores
 
 
 class MegaExperts(GroupedExperts):
@@ -51,7 +35,8 @@ class MegaExperts(GroupedExperts):
 
     ``auto_backend``: ``settings.backend`` was chosen by ``auto`` for the dtype the
     converter expected. If ``fused`` then cannot run the dtype a call brings, the layer
-    runs ``stock`` instead (logged once); without ``auto_backend`` that call raises.
+    runs ``stock`` instead (logged once); without ``auto_backend`` that call raises
+    (``titan_megamoe.expert_calls``).
     """
 
     def __init__(
@@ -67,50 +52,14 @@ class MegaExperts(GroupedExperts):
         self.settings = settings
         self.score_before_experts = score_before_experts
         self.auto_backend = auto_backend
-        self._call_settings: dict[tuple, tuple[OperatorSettings, torch.dtype | None]] = {}
+        section = MegaMoESection.SETTINGS_NAME
+        self._plans = CallPlans(settings, stock_fallback=auto_backend, fused_by=f"{section} backend = 'fused'",
+                                advice=f"set {section} backend = 'auto' to run them on 'stock' instead")
 
-    def _settings_for(self, x: torch.Tensor, weight_dtype: torch.dtype) -> tuple[OperatorSettings, torch.dtype | None]:
+    def _settings_for(self, x: torch.Tensor, weight_dtype: torch.dtype) -> CallPlan:
         """The settings a call with ``x`` runs with, and the dtype the fused backend takes
-        copies of the tokens and weights in (``fused_support.operand_cast``) or None:
-        decided once per device and dtypes."""
-        key = (self.settings, x.device, x.dtype, weight_dtype)
-        decided = self._call_settings.get(key)  # one lookup: hashing the key is most of the cost
-        if decided is None:
-            decided = self._call_settings[key] = self._decide(x.device, x.dtype, weight_dtype)
-        return decided
-
-    def _decide(self, device: torch.device, dtype: torch.dtype,
-                weight_dtype: torch.dtype) -> tuple[OperatorSettings, torch.dtype | None]:
-        settings = self.settings
-        if settings.backend != "fused":
-            return settings, None
-        # float32 tokens or weights (autocast keeps the parameters in float32).
-        computes = torch.float32 if torch.float32 in (dtype, weight_dtype) else dtype
-        cast = fused_support.operand_cast(device, computes, settings.precision)
-        if cast is None and dtype != weight_dtype:
-            cast = computes
-        # The converter checked the EP group; the device, dtype and shapes are new here.
-        reason = (fused_support.unsupported_reason(device, cast or dtype, settings.precision, True)
-                  or fused_support.shape_unsupported_reason(settings.precision, self.w1.shape[1]))
-        if reason is None:
-            if cast is not None and (computes, cast) not in _logged_casts:
-                _logged_casts.add((computes, cast))
-                logger.info(f"mega_moe: experts computing in {computes} run on the fused backend with {cast} "
-                            "copies of their tokens and weights, as TorchTitan's grouped-MM path runs its GEMMs; "
-                            "the output is cast back to the tokens' dtype")
-            return settings, cast
-        if not self.auto_backend:
-            raise NotImplementedError(
-                f"[mega_moe] backend = 'fused' cannot run these experts ({dtype} inputs): {reason}; "
-                "set [mega_moe] backend = 'auto' to run them on 'stock' instead"
-            )
-        if (dtype, reason) not in _logged_fallbacks:
-            _logged_fallbacks.add((dtype, reason))
-            logger.warning(
-                f"mega_moe: backend 'fused' (chosen by auto) cannot run these experts ({dtype} inputs): "
-                f"{reason}; those layers run backend 'stock'"
-            )
-        return settings.replace(backend="stock"), None
+        copies of the tokens and weights in (``fused_support.operand_cast``) or None."""
+        return self._plans.plan(x, weight_dtype, self.w1.shape[1])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: RouterScores) -> torch.Tensor:
         group = None
@@ -123,19 +72,13 @@ class MegaExperts(GroupedExperts):
                 )
             group = mesh.get_group()
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        settings, cast = self._settings_for(x, w1.dtype)
+        plan = self._settings_for(x, w1.dtype)
+        settings, _ = plan
         if settings.backend == "stock":
             return stock.routed_experts(
                 x, topk_idx, topk_w.scores, w1, w2, w3, group, self.score_before_experts, settings.precision
             )
-        tokens = x
-        if cast is not None:
-            tokens, w1, w2, w3 = (t.to(cast) for t in (x, w1, w2, w3))
-        y, _tokens_per_local_expert = mega_moe(
-            tokens, topk_idx, topk_w.scores, w1, w2, w3, group,
-            score_before_experts=self.score_before_experts, settings=settings,
-        )
-        return y.to(x.dtype)
+        return run_operator(x, topk_idx, topk_w.scores, w1, w2, w3, group, self.score_before_experts, plan)
 
     def extra_repr(self) -> str:
         return (

@@ -1,4 +1,4 @@
-"""Reduced-depth Qwen3 MoE flavors for training A/B runs on one or two GPUs.
+"""Reduced-depth Qwen3 MoE flavors of TorchTitan 0.2.2, for training A/B runs on one or two GPUs.
 
 Each flavor keeps every layer shape of its base flavor (dimensions, heads, experts,
 top-k, vocabulary) and only has fewer transformer blocks, so per-layer step time and
@@ -6,6 +6,10 @@ MoE behaviour match the full model while parameters and optimizer state fit with
 FSDP + EP=2 at 16,384-token sequences. Importing this module registers them; a TOML
 then says e.g. ``[model] flavor = "30B-A3B-4L"``.
 """
+
+from titan_megamoe import titan_version
+
+titan_version.require("0.2", __name__)
 
 from dataclasses import replace
 

@@ -10,11 +10,14 @@ and the forward op can be put in a selective-checkpointing save list
 
 Backends (``BACKENDS``): ``fused`` (the Triton kernels, imported on first use),
 ``reference`` (pure PyTorch, the specification) and ``stock`` (TorchTitan's own
-all-to-all and grouped GEMMs, which the layer calls instead of this operator;
-``titan_megamoe.stock``). This module and the reference backend need neither Triton
-nor TorchTitan.
+all-to-all and grouped GEMMs, which the layer calls instead of this operator: the
+installed TorchTitan's, ``titan_version.stock_path``). ``mega_moe`` takes ``backend="auto"`` and resolves it for the
+inputs' device itself (``resolve_operator_backend``): the custom ops only ever carry a
+resolved backend. This module and the reference backend need neither Triton nor
+TorchTitan.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_megamoe import fused_support, reference
+from titan_megamoe import fused_support, reference, titan_version
 from titan_megamoe.precision import Precision
 from titan_megamoe.settings import OperatorSettings
+
+logger = logging.getLogger(__name__)
 
 Unsupported = Callable[[torch.device, torch.dtype, Precision, bool], str | None]
 
@@ -56,12 +61,14 @@ class Backend:
     there, or None. ``op`` is what the custom ops run, None for ``stock`` (the layer
     calls TorchTitan's path itself). ``auto`` says, in the same form, why
     ``resolve_backend("auto", ...)`` passes this backend over (None: it never takes it);
-    backends are tried in ``BACKENDS`` order.
+    backends are tried in ``BACKENDS`` order. ``auto_note(precision)``: what the reason
+    ``resolve_backend`` returns adds when ``auto`` takes this backend, or None.
     """
 
     unsupported: Unsupported
     op: OpImpl | None
     auto: Unsupported | None
+    auto_note: Callable[[Precision], str | None] = lambda precision: None
 
 
 def _nothing_saved(x, topk_idx, w1, group, settings) -> tuple[tuple[int, int], tuple[int]]:
@@ -113,18 +120,21 @@ def _fused_auto_unsupported(*args) -> str | None:
     return fused_support.auto_unsupported_reason(*args)
 
 
-# titan_megamoe.stock imports TorchTitan, which the operator itself does not need.
+# The stock path is the installed TorchTitan's, imported on first use: the operator itself
+# needs no TorchTitan.
 def _stock_unsupported(*args) -> str | None:
-    from titan_megamoe import stock
+    return titan_version.stock_path().unsupported_reason(*args)
 
-    return stock.unsupported_reason(*args)
+
+def _stock_auto_note(precision: Precision) -> str | None:
+    return titan_version.stock_path().auto_note(precision)
 
 
 BACKENDS: dict[str, Backend] = {
     "fused": Backend(
         _fused_unsupported, OpImpl(_fused_forward, _fused_backward, _fused_saved_shapes), auto=_fused_auto_unsupported
     ),
-    "stock": Backend(_stock_unsupported, op=None, auto=_stock_unsupported),
+    "stock": Backend(_stock_unsupported, op=None, auto=_stock_unsupported, auto_note=_stock_auto_note),
     "reference": Backend(
         lambda *_: None, OpImpl(_reference_forward, _reference_backward, _nothing_saved), auto=None
     ),
@@ -145,7 +155,9 @@ def resolve_backend(
 
     ``auto`` takes ``fused`` where it can run, else ``stock``; never ``reference``, which
     runs only when asked for. Raises ``NotImplementedError`` with the reason if the
-    backend asked for (or every ``auto`` one) cannot run there.
+    backend asked for (or every ``auto`` one) cannot run there. This is how a MoE layer
+    (the converter, the layer bench) resolves its backend; ``mega_moe`` resolves ``auto``
+    among the operator's own backends (``resolve_operator_backend``).
     """
     if requested == "auto":
         skipped = []
@@ -154,7 +166,8 @@ def resolve_backend(
                 continue
             reason = backend.auto(device, dtype, precision, ep_within_node)
             if reason is None:
-                return name, "auto" + "".join(f"; skipped {s}" for s in skipped)
+                note = backend.auto_note(precision)
+                return name, "auto" + "".join(f"; skipped {s}" for s in skipped) + (f"; {note}" if note else "")
             skipped.append(f"{name}: {reason}")
         raise NotImplementedError(
             "[mega_moe] backend = 'auto' found no backend that can run here: " + "; ".join(skipped)
@@ -295,30 +308,87 @@ def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
         raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
 
 
-def _check_settings(settings: OperatorSettings, x: Tensor, group: dist.ProcessGroup | None) -> None:
+def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision: Precision,
+                             intermediate_size: int) -> tuple[str, str]:
+    """The operator backend that ``backend="auto"`` runs experts of ``intermediate_size``
+    computing in ``dtype`` and ``precision`` with on ``device``, and why: ``fused`` where
+    it can run, else ``reference``, which runs on any device (``stock`` is not this
+    operator: a MoE layer calls it instead, ``resolve_backend``)."""
+    reason = (BACKENDS["fused"].unsupported(device, dtype, precision, True)
+              or fused_support.shape_unsupported_reason(precision, intermediate_size))
+    if reason is None:
+        return "fused", "the fused kernels run here"
+    return "reference", (f"the fused backend cannot run here ({reason}); the reference backend, pure PyTorch "
+                         "and slow, runs on any device")
+
+
+_AUTO_SETTINGS: dict[tuple, str] = {}
+"""Encoded settings with ``backend="auto"`` -> encoded resolved settings, by the inputs'
+device, dtype, intermediate size and EP size."""
+_logged_auto: set[tuple[str, str]] = set()
+"""(backend, why) of each ``auto`` resolution already logged."""
+
+
+@torch.compiler.assume_constant_result
+def _resolve_auto(encoded: str, device: torch.device, dtype: torch.dtype, intermediate_size: int, ep: int) -> str:
+    """``encoded`` settings (backend ``auto``) with the backend ``resolve_operator_backend``
+    picks, encoded; checked as ``_check_settings`` checks a named backend and logged once.
+    A constant to ``torch.compile`` (a string: it cannot trace the lookup), like the
+    settings string it replaces."""
+    key = (encoded, device, dtype, intermediate_size, ep)
+    resolved = _AUTO_SETTINGS.get(key)
+    if resolved is None:
+        settings = OperatorSettings.decode(encoded)
+        name, why = resolve_operator_backend(device, dtype, settings.precision, intermediate_size)
+        _check_capacity(name, settings, ep)
+        if (name, why) not in _logged_auto:
+            _logged_auto.add((name, why))
+            (logger.info if name == "fused" else logger.warning)(
+                f"mega_moe: backend 'auto' runs the operator on '{name}' for {dtype} experts in precision "
+                f"{settings.precision.name!r} on {device.type}: {why}")
+        resolved = _AUTO_SETTINGS[key] = settings.replace(backend=name).encode()
+    return resolved
+
+
+def _what_auto_runs(x: Tensor, w1: Tensor, settings: OperatorSettings) -> str:
+    """What to pass instead of a backend that cannot run here: ``auto`` and what it picks."""
+    name, _ = resolve_operator_backend(x.device, x.dtype, settings.precision, w1.shape[1])
+    return f"pass backend='auto' (here it runs {name!r})"
+
+
+def _check_capacity(name: str, settings: OperatorSettings, ep: int) -> None:
+    if name == "fused" and ep > 1 and settings.capacity_tokens_per_rank <= 0:
+        raise ValueError(
+            f"settings.capacity_tokens_per_rank = {settings.capacity_tokens_per_rank} with the "
+            f"fused backend on {ep} ranks: every rank must size the symmetric buffers "
+            "alike, so set it to the most tokens any rank passes one call"
+        )
+
+
+def _check_settings(settings: OperatorSettings, x: Tensor, w1: Tensor, ep: int) -> None:
+    """Raise if the named ``settings.backend`` cannot run these inputs, saying what can."""
     name = settings.backend
     backend = BACKENDS.get(name)
     if backend is None:
         raise ValueError(
-            f"settings.backend = {name!r} is not a backend the operator runs; pass a resolved "
-            f"one ({', '.join(repr(n) for n, b in BACKENDS.items() if b.op)}): "
-            "titan_megamoe.ops.resolve_backend turns 'auto' into one"
+            f"settings.backend = {name!r} is not a backend the operator runs; "
+            f"{_what_auto_runs(x, w1, settings)}, or one of "
+            f"{', '.join(repr(n) for n, b in BACKENDS.items() if b.op)}"
         )
     if backend.op is None:
         raise ValueError(
-            f"settings.backend = {name!r} is TorchTitan's own path, not this operator; call "
-            f"titan_megamoe.{name}.routed_experts instead"
+            f"settings.backend = {name!r} is TorchTitan's own path, which a MoE layer runs instead of this "
+            f"operator; {_what_auto_runs(x, w1, settings)}, or call titan_megamoe.{name}.routed_experts for "
+            f"{name}'s computation"
         )
     # Whether the EP group spans nodes is the caller's to check (the converter does).
     reason = backend.unsupported(x.device, x.dtype, settings.precision, True)
+    if name == "fused":
+        reason = reason or fused_support.shape_unsupported_reason(settings.precision, w1.shape[1])
     if reason is not None:
-        raise NotImplementedError(f"settings.backend = {name!r} cannot run here: {reason}")
-    if name == "fused" and group is not None and group.size() > 1 and settings.capacity_tokens_per_rank <= 0:
-        raise ValueError(
-            f"settings.capacity_tokens_per_rank = {settings.capacity_tokens_per_rank} with the "
-            f"fused backend on {group.size()} ranks: every rank must size the symmetric buffers "
-            "alike, so set it to the most tokens any rank passes one call"
-        )
+        raise NotImplementedError(
+            f"settings.backend = {name!r} cannot run here: {reason}; {_what_auto_runs(x, w1, settings)}")
+    _check_capacity(name, settings, ep)
 
 
 def mega_moe(
@@ -342,14 +412,23 @@ def mega_moe(
         w1, w3: ``[E_local, I, H]``; w2: ``[E_local, H, I]`` (TorchTitan's layout).
         group: the EP process group, or None for a single rank.
         score_before_experts: scale the expert input by the score instead of the output.
-        settings: how to run; ``settings.backend`` is a resolved operator backend
-            (``fused`` or ``reference``; ``resolve_backend`` resolves ``auto``). With
-            ``fused`` on more than one rank, ``capacity_tokens_per_rank`` must be set.
+        settings: how to run. ``settings.backend``: ``"auto"`` runs ``fused`` where it
+            can run these inputs and ``reference`` elsewhere (``resolve_operator_backend``;
+            logged once), or name ``fused`` or ``reference``. With ``fused`` on more than
+            one rank, ``capacity_tokens_per_rank`` must be set.
 
     Returns:
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
+
+    An expert id outside ``[0, E)`` raises ``ValueError`` naming it (on the fused backend,
+    on every rank of ``group``).
     """
     check_inputs(x, topk_idx, topk_w, w1, w2, w3)
-    _check_settings(settings, x, group)
+    ep = 1 if group is None else group.size()
+    if settings.backend == "auto":
+        encoded = _resolve_auto(settings.encode(), x.device, x.dtype, w1.shape[1], ep)
+    else:
+        _check_settings(settings, x, w1, ep)
+        encoded = settings.encode()
     group_name = "" if group is None else group.group_name
-    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings.encode())
+    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, encoded)

@@ -1,4 +1,4 @@
-"""Expert-parallel plan for converted layers.
+"""Expert-parallel plan for converted layers (TorchTitan 0.2.2).
 
 TorchTitan's ``apply_moe_ep_tp`` (used by ``parallelize_qwen3``, ``parallelize_llama``
 and ``parallelize_deepseekv3``) applies ``ExpertParallel()`` to every
@@ -11,6 +11,10 @@ need the sharding without the hooks.
 and every other module exactly as stock. TorchTitan's parallelize functions thus run
 unchanged, and unconverted layers keep the stock style.
 """
+
+from titan_megamoe import titan_version
+
+titan_version.require("0.2", __name__)
 
 import importlib
 

@@ -192,20 +192,30 @@ def dispatch_layout(
     ep = _ep_size(group)
     num_experts = ep * num_local_experts
     flat_idx = topk_idx.reshape(-1).long()
-    if flat_idx.numel() and (flat_idx.min() < 0 or flat_idx.max() >= num_experts):
-        bad = flat_idx[(flat_idx < 0) | (flat_idx >= num_experts)][0].item()
-        raise ValueError(
-            f"topk_idx holds expert id {bad}, outside [0, {num_experts}) "
-            f"({ep} EP ranks x {num_local_experts} local experts)"
-        )
+    outside = (flat_idx < 0) | (flat_idx >= num_experts)
+    bad = flat_idx[outside][:1]
     send_order = torch.argsort(flat_idx, stable=True)
-    sent_per_expert = torch.bincount(flat_idx, minlength=num_experts)
+    sent_per_expert = torch.bincount(flat_idx[~outside], minlength=num_experts)
+    # Each rank tells every peer, beside its counts, whether it holds an id outside the
+    # group's experts (and the first one), so that every rank raises in the same call
+    # instead of its peers waiting for rows it will never send.
+    held = torch.stack([torch.tensor(bad.numel(), device=flat_idx.device), bad.sum()])
+    sent = torch.cat([sent_per_expert.view(ep, num_local_experts), held.expand(ep, 2)], dim=1)
     if group is None:
-        recv_per_expert = sent_per_expert
+        received = sent
     else:
-        recv_per_expert = torch.empty_like(sent_per_expert)
-        dist.all_to_all_single(recv_per_expert, sent_per_expert, group=group)
-    recv_by_rank = recv_per_expert.view(ep, num_local_experts)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)
+    holders = received[:, num_local_experts].nonzero().flatten().tolist()
+    if holders:
+        source = holders[0]
+        raise ValueError(
+            f"topk_idx holds expert id {received[source, num_local_experts + 1].item()}, outside [0, {num_experts}) "
+            f"({ep} EP ranks x {num_local_experts} local experts)"
+            + (f", on EP rank {source} (every rank of the group raises this)" if ep > 1 else "")
+        )
+    recv_by_rank = received[:, :num_local_experts]
+    recv_per_expert = recv_by_rank.reshape(-1)
     local_ids = torch.arange(num_local_experts, device=topk_idx.device).repeat(ep)
     return DispatchLayout(
         send_order=send_order,

@@ -1,4 +1,4 @@
-"""Registers with TorchTitan what a TOML can name: the ``mega_moe`` model converter, the
+"""Registers with TorchTitan 0.2.2 what a TOML can name: the ``mega_moe`` model converter, the
 shipped dataset (``titan_megamoe.data``) and the reduced-depth flavors
 (``titan_megamoe.models``). Runs on import and is idempotent.
 
@@ -6,6 +6,10 @@ The torchao grouped-MM converters' registry entries are wrapped so that they sta
 aside when ``mega_moe`` is in the same ``model.converters`` list
 (``converter.GroupedMMDefersToMegaMoE``).
 """
+
+from titan_megamoe import titan_version
+
+titan_version.require("0.2", __name__)
 
 from torchtitan.protocols import model_converter
 

@@ -23,8 +23,8 @@ DEFAULT_SAVE_GEMM1_LOAD = 1.25
 recompute nothing."""
 
 DEFAULT_RECEIVE_LOAD = 2.0
-"""``receive_load``'s default: at EP <= 2 every row any routing can bring (no wait); above,
-twice the mean (at EP 8, a quarter of what any routing can bring)."""
+"""``receive_load``'s default: at EP <= 2 every row any routing can bring (never grown);
+above, twice the mean (at EP 8, a quarter of what any routing can bring)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class OperatorSettings:
     precision: Precision = dataclasses.field(default_factory=lambda: get_precision("bf16"))
     """Formats of the three GEMM families (``titan_megamoe.precision``)."""
     backend: str = "fused"
-    """A resolved backend name (``ops.BACKENDS``), never ``auto``."""
+    """A backend name (``ops.BACKENDS``), or ``auto`` where ``ops.mega_moe`` resolves it
+    for the inputs' device (``ops.resolve_operator_backend``) before its custom ops, which
+    carry resolved names only."""
     capacity_tokens_per_rank: int = 0
     """Fused: most tokens any rank of the EP group passes one call; sizes the symmetric
     buffers. Required when EP > 1; 0 (one rank) = the call's token count."""

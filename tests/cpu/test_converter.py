@@ -182,19 +182,19 @@ def test_float32_experts_run_fused_on_bf16_copies(monkeypatch, caplog):
     """As TorchTitan's grouped-MM path, which casts tokens and weights to bf16 whatever the
     parameters' dtype: the operator gets bf16 copies, and gradients reach the fp32
     parameters through the casts."""
-    import titan_megamoe.layer as layer
+    import titan_megamoe.expert_calls as expert_calls
 
     _fused_checked_by(_fused_runs_bf16_only, monkeypatch)
     seen = []
-    real_mega_moe = layer.mega_moe
+    real_mega_moe = expert_calls.mega_moe
 
     def mega_moe(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings):
         seen.append((settings.backend, x.dtype, w1.dtype, w2.dtype, w3.dtype))
         return real_mega_moe(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts=score_before_experts,
                              settings=settings.replace(backend="reference"))
 
-    monkeypatch.setattr(layer, "mega_moe", mega_moe)
-    monkeypatch.setattr(layer, "_logged_casts", set())
+    monkeypatch.setattr(expert_calls, "mega_moe", mega_moe)
+    monkeypatch.setattr(expert_calls, "_logged_casts", set())
     original = debug_model("qwen3")  # fp32
     converted = debug_model("qwen3", state=original.state_dict())
     converter = MegaMoEConverter(parse(), None)

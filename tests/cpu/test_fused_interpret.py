@@ -2,8 +2,8 @@
 interpreter (one rank, CPU): output and every gradient against the reference backend,
 both score modes, GEMM1 recomputed and saved, poisoned buffers, uneven and skewed
 routing, determinism, the capacity check; failures that stop every rank (a peer that
-never arrives, bad expert ids); and the symmetric buffers' one-host and same-size checks
-(gloo ranks).
+never arrives); bad expert ids, which raise on every rank and stop nothing; and the
+symmetric buffers' one-host and same-size checks (gloo ranks).
 
 The interpreter must be switched on before Triton kernels are defined, so each check
 runs in a fresh process (``run_ranks``) started with ``TRITON_INTERPRET=1``.
@@ -265,7 +265,7 @@ def _check_receive_growth(rank, world):
     before, and it runs again; outputs and gradients equal, bit for bit, those of buffers
     sized for every row any routing can bring. A call that fits reads its count once and
     leaves them as they are, and saves more pre-activation rows than they hold; buffers
-    sized for every row never read it in the forward."""
+    sized for every row read it once too (for a bad expert id) and never grow."""
     import logging
 
     from titan_megamoe import fused
@@ -295,7 +295,8 @@ def _check_receive_growth(rank, world):
 
     full = _settings(True, save_gemm1_load=4.0, receive_load=0.0)
     expected = [call(p, dy, full) for p, dy in zip(problems, dys)]
-    assert forward_reads(problems[1], full)[1] == []
+    kept, forward_read = forward_reads(problems[1], full)
+    assert forward_read == [int(kept[-1])]
     full_rows = fused._plan(*problems[0][:2], problems[0][3], None, full).buffers.recv.shape[0]
 
     sized = full.replace(receive_load=0.25)
@@ -340,19 +341,104 @@ def test_receive_buffers_grow_for_a_call_that_does_not_fit(monkeypatch):
 
 
 def _check_bad_expert_ids(rank, world, bad_id):
-    """An expert id outside [0, E) is found on the device and fails the call."""
-    from titan_megamoe import fused
+    """An expert id outside [0, E) at the first, a middle or the last token, among valid
+    ids, raises ValueError from the operator naming the id, the range and where it is,
+    before the forward returns. The call sends no row (the receive buffer, poisoned, stays
+    NaN), records no failure, and the next call runs and matches the reference."""
+    from titan_megamoe import fused, reference
+    from titan_megamoe.ops import mega_moe
+    from titan_megamoe.precision import get_precision
 
     x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
-    idx[4, 1] = bad_id
-    with pytest.raises(RuntimeError, match=rf"topk_idx holds expert id {bad_id}, outside \[0, {EXPERTS}\)"):
-        fused.moe_forward(x, idx, w, w1, w2, w3, None, False, _settings())
+    settings = _settings()
+    fused.prepare(x, idx, w1, None, settings)
+    expected, _ = reference.moe_forward(x, idx, w, w1, w2, w3, None, False, get_precision("bf16"))
+    for token, slot in ((0, 0), (4, 1), (8, TOP_K - 1)):
+        bad = idx.clone()
+        bad[token, slot] = bad_id
+        poison_fused_buffers()
+        message = (rf"topk_idx holds expert id {bad_id}, outside \[0, {EXPERTS}\) \(1 EP ranks x {EXPERTS} local "
+                   rf"experts\), at token {token}, slot {slot}")
+        with pytest.raises(ValueError, match=message):
+            mega_moe(x, bad, w, w1, w2, w3, None, score_before_experts=False, settings=settings)
+        buffers = fused._plan(x, idx, w1, None, settings).buffers
+        assert torch.isnan(buffers.recv).all(), (token, "a row was sent")
+        assert fused.failures() == []
+        y = fused.moe_forward(x, idx, w, w1, w2, w3, None, False, settings)[0]
+        assert reference.relative_error(y, expected) < 1e-5, (token, "the next call")
 
 
-@pytest.mark.parametrize("bad_id", [-3, EXPERTS, 2**40])
-def test_bad_expert_ids_fail_the_call(bad_id, monkeypatch):
+@pytest.mark.parametrize("bad_id", [-1, -3, EXPERTS, 10**6, 2**40])
+def test_bad_expert_ids_raise_and_the_next_call_runs(bad_id, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_check_bad_expert_ids, 1, bad_id, timeout_s=300)
+
+
+def _check_bad_expert_ids_between_ranks(rank, world):
+    """Two virtual ranks, the peer's side of the count exchange written into rank 0's flag
+    buffer by hand (the interpreter runs one kernel at a time, so two ranks' calls cannot
+    meet): rank 0 publishes its own first bad id, with its counts, into the peer's flag
+    buffer and stores nothing into the peer's receive buffer; a bad id the peer publishes
+    makes rank 0 raise, naming the peer, the id and where it is, though its own ids are
+    valid. Each time the call records no failure and the group stays in step (rank 0's
+    next call with a clean peer runs)."""
+    from titan_megamoe import fused, reference
+    from titan_megamoe.kernels.sync import EPOCH
+    from titan_megamoe.precision import get_precision
+    from titan_megamoe.symm import VirtualGroup
+
+    x, idx, w, w1, w2, w3 = _problem(9, "random", seed=3)
+    local = EXPERTS // 2
+    group = VirtualGroup(2, torch.device("cpu"), name="bad-ids")
+    settings = _settings(timeout_s=5.0)
+    shard = [tuple(t[r * local:(r + 1) * local] for t in (w1, w2, w3)) for r in range(2)]
+    for r in range(2):
+        fused.prepare(x, idx, shard[r][0], group.ranks[r], settings)
+    mine, peer = (fused._plan(x, idx, shard[r][0], group.ranks[r], settings).buffers for r in range(2))
+    layout = mine.flag_layout
+
+    def peer_arrives(bad_slot: int = 0, bad_value: int = 0) -> None:
+        """The peer's stores of the next call into rank 0's flag buffer: no rows to send,
+        its bad id (flat index + 1, or 0), then its COUNT_READY and COMBINE_READY."""
+        epoch = int(mine.state[EPOCH.value]) + 1
+        mine.flags[layout.counts + EXPERTS:layout.counts + 2 * EXPERTS] = 0
+        mine.flags[layout.bad_ids + 2:layout.bad_ids + 4] = torch.tensor([bad_slot, bad_value])
+        mine.flags[layout.count_ready + 1] = epoch
+        mine.flags[layout.combine_ready + 1] = epoch
+
+    def call(topk_idx):
+        return fused.moe_forward(x, topk_idx, w, *shard[0], group.ranks[0], False, settings)
+
+    # Rank 0's own bad id: published to the peer, named in rank 0's error.
+    bad = idx.clone()
+    bad[5, 2], bad[7, 0] = EXPERTS + 2, -4  # the negative one is reported first
+    peer.recv.fill_(float("nan"))
+    peer_arrives()
+    with pytest.raises(ValueError, match=r"fused forward: topk_idx holds expert id -4, outside \[0, 8\) "
+                                         r"\(2 EP ranks x 4 local experts\), at token 7, slot 0"):
+        call(bad)
+    assert peer.flags[layout.bad_ids:layout.bad_ids + 2].tolist() == [7 * TOP_K + 0 + 1, -4]
+    assert torch.isnan(peer.recv).all(), "rank 0 sent rows to its peer"
+
+    # The peer's bad id: rank 0 raises too, naming the peer's.
+    peer_arrives(bad_slot=3 * TOP_K + 1 + 1, bad_value=10**6)
+    with pytest.raises(ValueError, match=r"fused forward: rank 1's topk_idx holds expert id 1000000, outside "
+                                         r"\[0, 8\) \(2 EP ranks x 4 local experts\), at token 3, slot 1"):
+        call(idx)
+    assert peer.flags[layout.bad_ids:layout.bad_ids + 2].tolist()[0] == 0, "rank 0's ids are valid"
+    assert fused.failures() == []
+
+    # A clean call, every row of rank 0 on its own experts (the peer sends none).
+    own = idx % local
+    peer_arrives()
+    y, counts = call(own)[:2]
+    expected, counts_ref = reference.moe_forward(x, own, w, *shard[0], None, False, get_precision("bf16"))
+    assert torch.equal(counts, counts_ref) and reference.relative_error(y, expected) < 1e-5
+
+
+def test_bad_expert_ids_raise_on_every_rank(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_check_bad_expert_ids_between_ranks, 1, timeout_s=300)
 
 
 def _check_refusals(rank, world):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from problems import (
     EXPERTS, HIDDEN, INTER, NAMES, TOP_K, assert_compiles_like_eager, check_ep_rank, make_problem,
@@ -110,6 +111,20 @@ def test_two_ranks_fp8_within_tolerance():
     run_ranks(check_ep_rank, 2, "random", False, "fp8", LOW_PRECISION_TOLERANCE)
 
 
+def _bad_id_on_rank_one(rank: int, world_size: int) -> None:
+    """Rank 1 routes one slot to an expert the group lacks: both ranks raise, naming it."""
+    x, idx, w = make_problem(6, "random", seed=rank)
+    if rank == 1:
+        idx[3, 1] = world_size * EXPERTS
+    w1, w2, w3 = make_weights()
+    with pytest.raises(ValueError, match=rf"expert id {world_size * EXPERTS}, outside .*on EP rank 1"):
+        mega_moe(x, idx, w, w1, w2, w3, dist.group.WORLD, score_before_experts=False, settings=REFERENCE)
+
+
+def test_a_bad_expert_id_raises_on_every_rank():
+    run_ranks(_bad_id_on_rank_one, 2)
+
+
 # --------------------------------------------------------------------------------------
 # Input errors.
 # --------------------------------------------------------------------------------------
@@ -142,11 +157,10 @@ def test_input_errors_name_the_bad_value(overrides, message):
 @pytest.mark.parametrize(
     "backend, error, message",
     [
-        ("auto", ValueError, r"settings.backend = 'auto' is not a backend the operator runs; .*resolve_backend"),
         ("magic", ValueError, r"settings.backend = 'magic' is not a backend the operator runs; "
-                              r"pass a resolved one \('fused', 'reference'\)"),
+                              r"pass backend='auto' \(here it runs 'reference'\), or one of 'fused', 'reference'"),
         ("stock", ValueError, r"settings.backend = 'stock' is TorchTitan's own path.*titan_megamoe.stock.routed_experts"),
-        ("fused", NotImplementedError, r"settings.backend = 'fused' cannot run here: "),
+        ("fused", NotImplementedError, r"settings.backend = 'fused' cannot run here: .*pass backend='auto'"),
     ],
 )
 def test_unresolved_or_unrunnable_backend_is_refused(backend, error, message):

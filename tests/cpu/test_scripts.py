@@ -1,5 +1,7 @@
 """The README's commands on a machine without a GPU: bench_layer's argument checks, its
-CPU A/B (first line at once, progress, a table without empty columns, a titled plot),
+CPU A/B (first line at once, progress, a table without empty columns; no speedup, rate
+or plot, and a header and summary saying its timings say nothing about GPU speed; a
+GPU run's titled plot),
 the training scripts refusing at once, the training A/B's stock TOMLs, its report of
 two or three runs and its optional stock_bf16 run, and every SM90 kernel compiled here
 fitting the GPU's shared memory."""
@@ -101,7 +103,12 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
     args, note = bench_layer.parse_args(CPU, ["--variants", "stock,mega_moe"])
     assert (args.shapes, args.tokens, args.resolved_backend) == (["debug"], [256], "reference")
     assert note.startswith("[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead")
+    assert "(mega_moe backend reference, chosen for the CPU). CPU timings say nothing about GPU speed" in note
     assert "./scripts/bench_layer.sh --variants stock,mega_moe" in note
+    # The reference backend is the CPU's choice, unless asked for.
+    assert args.backend_reason.startswith("chosen for the CPU: the fused kernels need an NVIDIA GPU")
+    args, note = bench_layer.parse_args(CPU, ["--backend", "reference"])
+    assert args.backend_reason == "asked for" and "(mega_moe backend reference)" in note
     # Explicit rows run as asked, without the note.
     args, note = bench_layer.parse_args(CPU, ["--shapes", "debug", "--tokens", "64"])
     assert note is None
@@ -111,13 +118,15 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
     assert "fused" in args.backend_reason and "spans nodes" in args.backend_reason
 
 
-def test_bench_layer_launcher_passes_what_it_resolved():
+@pytest.mark.parametrize("backend", [[], ["--backend", "reference"]])
+def test_bench_layer_launcher_passes_what_it_resolved(backend):
     args, _ = bench_layer.parse_args(CPU, ["--tokens", "64", "--forward-only", "--ep-spans-nodes",
                                            "--save-gemm1", "--save-gemm1-load", "0.5", "--memory",
-                                           "--reserved-sms", "8", "--capacity-factor", "3", "--receive-load", "0"])
+                                           "--reserved-sms", "8", "--capacity-factor", "3", "--receive-load", "0",
+                                           *backend])
     again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
     assert note is None  # the ranks do not repeat the launcher's first line
-    assert vars(again) == vars(args)
+    assert vars(again) == vars(args)  # the reason for the backend included
 
 
 @pytest.mark.parametrize(
@@ -239,14 +248,19 @@ def _cpu_rows(forward_only: bool, variants) -> list[dict]:
     return rows
 
 
-def _meta(forward_only: bool, variants) -> dict:
+def _meta(forward_only: bool, variants, gpu: bool = False) -> dict:
+    """What ``run`` records: on the CPU as the main job runs it, or on a GPU."""
+    if gpu:
+        where = {"device": "NVIDIA H200", "gpu_timings": True, "dist_backend": "nccl", "dtype": "bfloat16",
+                 "backend": "fused", "backend_reason": "auto", "matmul_peak_tflops": 790.0}
+    else:
+        where = {"device": "cpu", "gpu_timings": False, "dist_backend": "gloo", "dtype": "float32",
+                 "backend": "reference", "backend_reason": bench_layer.CPU_BACKEND_REASON, "matmul_peak_tflops": None}
     return {
-        "device": "cpu", "ep": 2, "dist_backend": "gloo", "dtype": "float32",
-        "shapes": ["debug"], "tokens": [64, 128], "variants": list(variants),
-        "precision": "bf16", "precision_requested": "bf16", "backend": "reference",
-        "backend_reason": "asked for", "ep_spans_nodes": False, "comm_sms": 0, "reserved_sms": 0, "capacity_factor": 1,
-        "save_gemm1": False,
-        "forward_only": forward_only, "iters": 3, "warmup": 1, "matmul_peak_tflops": None,
+        **where, "ep": 2, "shapes": ["debug"], "tokens": [64, 128], "variants": list(variants),
+        "precision": "bf16", "precision_requested": "bf16", "ep_spans_nodes": False, "comm_sms": 0,
+        "reserved_sms": 0, "capacity_factor": 1, "receive_load": 2.0, "save_gemm1": False, "save_gemm1_load": 1.25,
+        "forward_only": forward_only, "iters": 3, "warmup": 1,
     }
 
 
@@ -271,13 +285,31 @@ def assert_no_empty_column(markdown: str) -> list[str]:
      ("stock", "mega_moe_bf16", "mega_moe")],
 )
 def test_markdown_has_no_empty_columns(forward_only, variants):
-    markdown = bench_layer.markdown(_cpu_rows(forward_only, variants), _meta(forward_only, variants))
+    markdown = bench_layer.markdown(_cpu_rows(forward_only, variants), _meta(forward_only, variants, gpu=True))
     header = assert_no_empty_column(markdown)
     assert not any("compiled" in h or "peak GiB" in h for h in header)
     assert any("bwd" in h for h in header) is not forward_only
     assert any("fp8" in h for h in header) is ("stock_fp8" in variants)
     assert any("speedup vs stock fp8" in h for h in header) is ("stock_fp8" in variants and "mega_moe" in variants)
     assert any("speedup vs mega bf16" in h for h in header) is ("mega_moe_bf16" in variants)
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_cpu_table_states_no_speed(forward_only):
+    """A CPU run's table, even with speedups in its rows: times and errors, no speedup or
+    rate, under a line saying its timings say nothing about GPU speed; what ran names the
+    backend as chosen for the CPU and says that precision bf16 computes in float32."""
+    variants = ("stock", "mega_moe")
+    markdown = bench_layer.markdown(_cpu_rows(forward_only, variants), _meta(forward_only, variants))
+    header = assert_no_empty_column(markdown)
+    assert "stock fwd ms" in header and any("max rel err vs stock" in h for h in header)
+    assert not any("speedup" in h or "TFLOP/s" in h for h in header), header
+    assert "x |" not in markdown
+    title, _, caveat = markdown.splitlines()[:3]
+    assert caveat.startswith("CPU timings say nothing about GPU speed")
+    assert ("cpu x2 (gloo, EP=2); weights and activations float32 in every variant; mega_moe backend reference "
+            "(chosen for the CPU: ") in title
+    assert "precision bf16: GEMMs unquantized, in float32" in title
 
 
 def test_table_states_mega_over_stock_fp8_and_its_error():
@@ -297,7 +329,7 @@ def test_table_states_mega_over_stock_fp8_and_its_error():
         "forward_vs_stock": 4 / 1.5, "backward_vs_stock": 8 / 6, "fwd_bwd_vs_stock": 12 / 7.5,
         "forward_vs_stock_fp8": 2.0, "backward_vs_stock_fp8": 1.5, "fwd_bwd_vs_stock_fp8": 1.6,
     })
-    meta = {**_meta(False, ("stock", "stock_fp8", "mega_moe")), "device": "NVIDIA H200", "precision": "fp8",
+    meta = {**_meta(False, ("stock", "stock_fp8", "mega_moe"), gpu=True), "precision": "fp8",
             "backend": "stock", "shapes": ["30B-A3B"], "tokens": [4096]}
     markdown = bench_layer.markdown([row], meta)
     header = assert_no_empty_column(markdown)
@@ -319,9 +351,9 @@ def test_table_states_mega_over_stock_fp8_and_its_error():
 
 @pytest.mark.parametrize("variants", [("stock", "mega_moe"), ("stock", "stock_fp8", "mega_moe")])
 def test_plot_title_names_device_ep_shapes_and_precision(variants, tmp_path):
-    meta = _meta(False, variants)
+    meta = _meta(False, variants, gpu=True)
     title = bench_layer.plot_title(meta)
-    for text in ("cpu", "EP=2", "debug", "bf16", "reference"):
+    for text in ("NVIDIA H200", "EP=2", "debug", "bf16", "fused"):
         assert text in title
     pytest.importorskip("matplotlib")
     from PIL import Image
@@ -330,6 +362,15 @@ def test_plot_title_names_device_ep_shapes_and_precision(variants, tmp_path):
     assert bench_layer.plot(_cpu_rows(False, meta["variants"]), meta, path) == f"wrote {path}"
     with Image.open(path) as image:
         assert image.text["Title"] == title
+
+
+def test_cpu_run_draws_no_plot(tmp_path):
+    """Bars of CPU timings would read as a speed result: a CPU run draws none."""
+    meta = _meta(False, ("stock", "mega_moe"))
+    path = tmp_path / "bench_layer.png"
+    assert bench_layer.plot(_cpu_rows(False, meta["variants"]), meta, path) == (
+        "no plot: CPU timings say nothing about GPU speed")
+    assert not path.exists()
 
 
 # ---------------------------------------------------------------- the commands
@@ -357,15 +398,25 @@ def test_cpu_main_job_prints_at_once_and_runs_a_small_ab(tmp_path):
             process.terminate()  # the process is torchrun by now: SIGTERM ends its ranks too
             process.wait(timeout=60)
     assert process.returncode == 0, first + rest
+    assert "CPU timings say nothing about GPU speed" in first
     lines = rest.splitlines()
-    header = next(line for line in lines if line.startswith("[bench_layer] cpu x2"))
-    assert "mega_moe backend reference (asked for)" in header
+    at = next(i for i, line in enumerate(lines) if line.startswith("[bench_layer] cpu x2"))
+    header, caveat = lines[at:at + 2]
+    assert "weights and activations float32 in every variant; mega_moe backend reference (chosen for the CPU: " in header
+    assert "precision bf16: GEMMs unquantized, in float32" in header
+    assert caveat.startswith("[bench_layer] CPU timings say nothing about GPU speed")
     for variant in ("stock", "mega_moe"):
         assert f"[bench_layer] debug 64 tokens/rank: {variant} started" in rest
         assert any(line.startswith(f"[bench_layer] debug 64 tokens/rank: {variant} done in ") for line in lines)
     table = (tmp_path / "bench_layer.md").read_text()
     header = assert_no_empty_column(table)
     assert "stock fwd+bwd ms" in header and "mega fwd+bwd ms" in header
+    assert not any("speedup" in h or "TFLOP/s" in h for h in header), header
+    assert json.loads((tmp_path / "bench_layer.json").read_text())["rows"][0]["speedup"] == {}
+    assert not (tmp_path / "bench_layer.png").exists()
+    summary = next(line for line in lines if line.startswith("[bench_layer] summary: "))
+    assert summary.startswith("[bench_layer] summary: mega_moe's largest relative error against stock: "), summary
+    assert "CPU timings say nothing about GPU speed" in summary
 
 
 @pytest.mark.parametrize("script", ["run_train.sh", "ab_train.sh"])

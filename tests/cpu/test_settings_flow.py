@@ -1,8 +1,10 @@
 """One ``OperatorSettings`` from the caller to the backends: through the custom ops
-(eager and compiled), backend resolution, the checks ``mega_moe`` makes of it, and what
-importing the package loads."""
+(eager and compiled), backend resolution (a layer's, and the operator's own ``auto``),
+the checks ``mega_moe`` makes of it and what its errors advise, and what importing the
+package loads."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -104,6 +106,33 @@ def test_auto_gives_fused_only_precisions_measured_faster(monkeypatch):
     assert resolve_backend("fused", *where, get_precision("fp8")) == ("fused", "asked for")
 
 
+def test_auto_runs_fp8_bwd_fused_on_sm90_else_stock_saying_it_is_slower(monkeypatch):
+    """fp8_bwd's fused layer (our bf16 forward, our fp8 backward) is faster than stock bf16
+    on Hopper, where stock's own fp8_bwd path is twice as slow: ``auto`` runs it fused
+    there. Where the fused kernels do not run it (sm100, not measured), ``auto`` runs
+    stock's path, the only stock one in that format, and its reason says it is slower than
+    stock bf16 and what trains faster."""
+    from titan_megamoe import stock
+
+    monkeypatch.setattr(fused_support, "unsupported_reason", lambda *_: None)
+    monkeypatch.setattr(stock, "unsupported_reason", lambda *_: None)
+    where = (torch.device("cuda"), torch.bfloat16, get_precision("fp8_bwd"))
+    monkeypatch.setattr(fused_support, "arch", lambda device: ("sm90", "a test GPU"))
+    assert resolve_backend("auto", *where) == ("fused", "auto")
+    monkeypatch.setattr(fused_support, "arch", lambda device: ("sm100", "a test GPU"))
+    backend, why = resolve_backend("auto", *where)
+    assert backend == "stock"
+    assert why.startswith("auto; skipped fused: its sm100 fp8_bwd kernels are not yet measured faster than stock")
+    assert ("; stock TorchTitan has no fp8_bwd recipe: this path runs its bf16 forward and torchao's fp8 rowwise "
+            "backward uncompiled, measured slower than stock bf16 (7.25 / 35.06 against 7.21 / 18.31 ms") in why
+    assert why.endswith("precision bf16 trains faster")
+    # Stock paths a stock TorchTitan job runs itself carry no note.
+    for name in ("bf16", "fp8"):
+        assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16, get_precision(name)) == (
+            "stock", f"auto; skipped fused: its sm100 {name} kernels are not yet measured faster than stock "
+                     "(backend = 'fused' runs them)")
+
+
 def test_the_log_says_how_the_fused_gemms_multiply():
     describe = fused_support.describe_mma
     assert describe("sm90", get_precision("bf16")) == "bf16 MMA"
@@ -137,6 +166,103 @@ def test_config_and_operator_name_the_same_backends():
 
 
 # --------------------------------------------------------------------------------------
+# The public operator with backend "auto", and what its errors point to.
+# --------------------------------------------------------------------------------------
+
+
+def _recording_backends(monkeypatch, fused_runs: bool) -> list[str]:
+    """The backends the custom ops are handed, in call order; ``fused`` (which cannot run
+    on this CPU) computes as the reference and runs where ``fused_runs`` says."""
+    seen = []
+    reference = ops.BACKENDS["reference"]
+
+    def recording(kind):
+        def call(*args):
+            if kind == "forward":
+                seen.append(args[-1].backend)
+            return getattr(reference.op, kind)(*args)
+        return call
+
+    op = ops.OpImpl(*(recording(kind) for kind in ("forward", "backward", "saved_shapes")))
+    monkeypatch.setitem(ops.BACKENDS, "reference", dataclasses.replace(reference, op=op))
+    monkeypatch.setitem(ops.BACKENDS, "fused", dataclasses.replace(ops.BACKENDS["fused"], op=op))
+    monkeypatch.setattr(fused_support, "unsupported_reason",
+                        lambda *_: None if fused_runs else "test: no fused kernels here")
+    monkeypatch.setattr(ops, "_AUTO_SETTINGS", {})
+    monkeypatch.setattr(ops, "_logged_auto", set())
+    return seen
+
+
+@pytest.mark.parametrize("fused_runs", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_operator_resolves_auto_for_the_inputs_device(fused_runs, compiled, monkeypatch, caplog):
+    """``backend="auto"``: the op runs ``fused`` where it can run the inputs, else
+    ``reference``; the custom ops only see the resolved name (eager and compiled), the
+    result is the reference's, and the choice is logged once with its reason."""
+    seen = _recording_backends(monkeypatch, fused_runs)
+    x, idx, w = make_problem(11, "random", seed=0)
+    w1, w2, w3 = make_weights()
+    auto = OperatorSettings(backend="auto", precision="bf16")
+
+    def layer(x_):
+        return mega_moe(x_, idx, w, w1, w2, w3, None, score_before_experts=False, settings=auto)[0]
+
+    # The resolution is a constant of the compiled graph: another test's graph would hold its own.
+    torch._dynamo.reset()
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    with caplog.at_level("INFO", logger="titan_megamoe.ops"):
+        y = fn(x)
+        fn(x)
+    expected = mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False,
+                        settings=auto.replace(backend="reference"))[0]
+    assert torch.equal(y, expected)
+    resolved = "fused" if fused_runs else "reference"
+    assert seen[:2] == [resolved, resolved]
+    (line,) = [r.getMessage() for r in caplog.records if "backend 'auto'" in r.getMessage()]
+    assert line.startswith(f"mega_moe: backend 'auto' runs the operator on '{resolved}' for torch.float32 experts "
+                           "in precision 'bf16' on cpu"), line
+    if not fused_runs:
+        assert "the fused backend cannot run here (test: no fused kernels here)" in line
+
+
+def test_operator_errors_point_to_a_backend_that_runs_here(monkeypatch):
+    """Each backend the op cannot run on this CPU says to pass 'auto', names what that
+    runs here, and doing so runs."""
+    _recording_backends(monkeypatch, fused_runs=False)
+    x, idx, w = make_problem(5, "random", seed=0)
+    w1, w2, w3 = make_weights()
+
+    def call(backend):
+        return mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False,
+                        settings=OperatorSettings(backend=backend))
+
+    advice = "pass backend='auto' (here it runs 'reference')"
+    with pytest.raises(NotImplementedError, match=r"settings.backend = 'fused' cannot run here: test: no fused "
+                                                  r"kernels here; " + re.escape(advice)):
+        call("fused")
+    with pytest.raises(ValueError, match=r"settings.backend = 'stock' is TorchTitan's own path.*"
+                                         + re.escape(advice) + r", or call titan_megamoe.stock.routed_experts"):
+        call("stock")
+    with pytest.raises(ValueError, match=r"settings.backend = 'fast' is not a backend the operator runs; "
+                                         + re.escape(advice) + r", or one of 'fused', 'reference'"):
+        call("fast")
+    call("auto")
+
+
+def test_operator_auto_refuses_what_fused_cannot_serve_by_shape(monkeypatch):
+    """An intermediate size without whole fp8 scale blocks: ``auto`` runs the reference,
+    and naming ``fused`` says why not."""
+    seen = _recording_backends(monkeypatch, fused_runs=True)
+    x, idx, w = make_problem(5, "random", seed=0)
+    w1, w2, w3 = make_weights()  # intermediate size 48
+    fp8 = OperatorSettings(backend="auto", precision="fp8")
+    mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False, settings=fp8)
+    assert seen == ["reference"]
+    with pytest.raises(NotImplementedError, match="intermediate size 48 is not a multiple of 128"):
+        mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False, settings=fp8.replace(backend="fused"))
+
+
+# --------------------------------------------------------------------------------------
 # The fused backend on more than one rank needs a capacity.
 # --------------------------------------------------------------------------------------
 
@@ -153,8 +279,9 @@ def _capacity_rank(rank, world_size):
     def call(group, ws, **settings):
         return mega_moe(x, idx, w, *ws, group, score_before_experts=False, settings=OperatorSettings(**settings))
 
-    with pytest.raises(ValueError, match="settings.capacity_tokens_per_rank = 0 with the fused backend on 2 ranks"):
-        call(dist.group.WORLD, local, backend="fused")
+    for backend in ("fused", "auto"):  # auto: fused runs here
+        with pytest.raises(ValueError, match="settings.capacity_tokens_per_rank = 0 with the fused backend on 2 ranks"):
+            call(dist.group.WORLD, local, backend=backend)
     call(dist.group.WORLD, local, backend="fused", capacity_tokens_per_rank=5)
     call(dist.group.WORLD, local, backend="reference")
     call(None, weights, backend="fused")  # one rank: the call's own token count

@@ -1,5 +1,5 @@
-"""TorchTitan 0.2.2's per-step log lines, written by its own metrics code: what the A/B
-report parses, for tests of the A/B scripts."""
+"""TorchTitan's per-step log lines, written by its own metrics code: what the A/B report
+parses, for tests of the A/B scripts (0.2.2's here; tests/cpu_torchtitan03 writes 0.3.0's)."""
 
 import logging
 from types import SimpleNamespace
@@ -52,8 +52,10 @@ def titan_step_message(monkeypatch, step, loss, memory_gib, tps):
     return message
 
 
-def synthetic_log(monkeypatch, step_time_s, losses, memory, tps, total_steps=None) -> str:
-    """A torchrun-teed rank-0 log as TorchTitan 0.2.2 writes it."""
+def synthetic_log(monkeypatch, step_time_s, losses, memory, tps, total_steps=None,
+                  step_message=titan_step_message) -> str:
+    """A torchrun-teed rank-0 log as TorchTitan writes it, each step line from
+    ``step_message(monkeypatch, step, loss, memory_gib, tps)`` (0.2.2's by default)."""
     total_steps = total_steps or len(losses)
     prefix = "[rank0]:[titan] 2025-03-01 {} - root - INFO - "
 
@@ -68,7 +70,7 @@ def synthetic_log(monkeypatch, step_time_s, losses, memory, tps, total_steps=Non
     ]
     for i, loss in enumerate(losses):
         step = i + 1
-        message = titan_step_message(monkeypatch, step, loss, memory[i], tps[i])
+        message = step_message(monkeypatch, step, loss, memory[i], tps[i])
         lines.append(prefix.format(stamp(10 + step * step_time_s)) + message)
         if step == 3:
             lines.append(prefix.format(stamp(10 + step * step_time_s)) + f"{Color.yellow}validate step:  3  "

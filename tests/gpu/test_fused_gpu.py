@@ -3,7 +3,7 @@ in every precision (mxfp8 in both weight forms), against the same-precision refe
 backend and an fp32 reference (output and every gradient, each by its global and its
 worst-row error): adversarial
 routings, both score modes, GEMM1 recomputed and saved, poisoned buffers, determinism,
-no host synchronisation."""
+no host synchronisation; expert ids out of range raise without a device fault."""
 
 import pytest
 import torch
@@ -208,6 +208,51 @@ def test_two_gpus(precision):
     _skip_unless_fused_runs(precision)
     run_ranks(_check_scenarios, 2, precision, backend="nccl", timeout_s=600)
 
+
+
+def _check_bad_expert_ids(rank: int, world: int, precision: str):
+    """An expert id outside [0, E), -1, E or 10^6, among valid ids, at the first, a middle
+    or the last token: the operator raises ValueError naming it, the range and where it
+    is; the device has no fault (it synchronises, no failure is recorded), no row was
+    sent (the poisoned receive buffer stays NaN), and the next call matches the
+    reference."""
+    from titan_megamoe import fused
+    from titan_megamoe.ops import mega_moe
+    from titan_megamoe.reference import relative_error
+    from titan_megamoe.settings import OperatorSettings
+
+    x, idx, w, w1, w2, w3 = _problem("random", rank, world, 5)
+    fused_settings = OperatorSettings(precision=precision, backend="fused", capacity_tokens_per_rank=TOKENS)
+
+    def call(topk_idx, settings=fused_settings):
+        return mega_moe(x, topk_idx, w, w1, w2, w3, None, score_before_experts=False, settings=settings)[0]
+
+    expected = call(idx, fused_settings.replace(backend="reference"))
+    buffers = fused._plan(x, idx, w1, None, fused_settings).buffers
+    last = x.shape[0] - 1
+    for bad_id in (-1, EXPERTS, 10**6):
+        for token, slot in ((0, 0), (last // 2, 3), (last, TOP_K - 1)):
+            bad = idx.clone()
+            bad[token, slot] = bad_id
+            poison_fused_buffers()
+            with pytest.raises(ValueError, match=rf"topk_idx holds expert id {bad_id}, outside \[0, {EXPERTS}\) "
+                                                 rf"\(1 EP ranks x {EXPERTS} local experts\), at token {token}, "
+                                                 rf"slot {slot}"):
+                call(bad)
+            torch.cuda.synchronize()
+            assert fused.failures() == [], (bad_id, token)
+            assert torch.isnan(buffers.recv.float()).all(), (bad_id, token, "a row was sent")
+            y = call(idx)
+            err = relative_error(y, expected)
+            print(f"{precision} id {bad_id} at [{token}, {slot}]: raised; the next call {err:.1e} from the reference",
+                  flush=True)
+            assert err < BF16_TOLERANCE, (bad_id, token, err)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bad_expert_ids_raise_without_a_device_fault(precision):
+    _skip_unless_fused_runs(precision)
+    run_ranks(_check_bad_expert_ids, 1, precision, backend="nccl", timeout_s=600)
 
 
 def _check_inductor(rank: int, world: int, precision: str):

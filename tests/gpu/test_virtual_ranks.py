@@ -8,11 +8,13 @@ are checked against the mxfp8 spec and the weight gradients against fp32: the sp
 rounds them along the tokens in blocks that follow the receive layout, which differs
 between one rank and many.
 
-Each rank's calls are made from a thread of its own: with the receive buffers sized by
-the load (``receive_load``, at its default twice the mean), each forward waits on the
-host for its layout kernel, which waits for every peer's. Skewed routing brings rank 0
-more rows than that: every rank grows its buffers in that forward; one case keeps
-buffers sized for any routing."""
+Each rank's calls are made from a thread of its own: each forward waits on the host for
+its layout kernel's record (an expert id out of range raises there; with the receive
+buffers sized by the load, ``receive_load``, at its default twice the mean, it says
+whether they must grow), and the layout waits for every peer's. Skewed routing brings
+rank 0 more rows than that: every rank grows its buffers in that forward; one case keeps
+buffers sized for any routing. A bad expert id on one rank raises on every rank and
+leaves the group in step."""
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
@@ -158,8 +160,7 @@ def _publish_received(buffers, call: int, ranks, rank: int, local: int) -> None:
     mine = counts[rank * local:(rank + 1) * local].tolist()
     align = buffers.tiles.row_align
     rows = sum(-(-c // align) * align for c in mine)
-    most = min(rows, buffers.recv.shape[0] - buffers.tiles.block_m)
-    buffers.received[call % buffers.received.shape[0]] = torch.tensor([call, rows, most, *mine])
+    buffers.publish_received(call, rows, min(rows, buffers.recv.shape[0] - buffers.tiles.block_m), mine)
 
 
 def _on_each_rank(group, call):
@@ -183,6 +184,36 @@ def _synchronize() -> None:
         raise RuntimeError(f"{error}; recorded: {fused.failures()}") from error
 
 
+def _prepare(group, ranks, shards, settings) -> list:
+    """Every rank's buffers, a reserve in the caching allocator and every kernel loaded,
+    before any rank's kernels run; returns each rank's forward buffers."""
+    from titan_megamoe import fused
+
+    local = EXPERTS // group.ep
+    # Nothing may allocate device or pinned memory while a virtual rank's kernels wait for
+    # another's (an allocation can synchronise the device): every buffer set first, and a
+    # reserve in the caching allocator (which caches per stream) for what each rank's
+    # calls take from it.
+    for r, (x, idx, _, _) in enumerate(ranks):
+        with torch.cuda.stream(group.ranks[r].stream):
+            fused.prepare(x, idx, shards[r][0], group.ranks[r], settings)
+            reserve = [torch.empty(4 << 30, dtype=torch.uint8, device="cuda")]
+            reserve += [torch.empty(512 << 10, dtype=torch.uint8, device="cuda") for _ in range(64)]
+            del reserve
+    buffers = [fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers
+               for r, (x, idx, _, _) in enumerate(ranks)]
+    loaded = {}
+    with _load_kernels_only(loaded):
+        for r, (x, idx, w, dy) in enumerate(ranks):
+            with torch.cuda.stream(group.ranks[r].stream):
+                _publish_received(buffers[r], buffers[r].calls + 1, ranks, r, local)
+                dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
+                fused.moe_backward(dy, x, idx, w, *shards[r], *dry[2:], group.ranks[r], False, settings)
+    _synchronize()
+    _reserve_local_memory(loaded)
+    return buffers
+
+
 def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16",
          receive_load: float = DEFAULT_RECEIVE_LOAD) -> None:
     from titan_megamoe import fused, reference
@@ -196,28 +227,8 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
                                 save_gemm1=save_gemm1, timeout_s=20.0, receive_load=receive_load)
     group = VirtualGroup(ep, torch.device("cuda"), name=f"virtual-{kind}-{seed}")
     shards = [tuple(w[r * local:(r + 1) * local] for w in (w1, w2, w3)) for r in range(ep)]
-    # Nothing may allocate device or pinned memory while a virtual rank's kernels wait for
-    # another's (an allocation can synchronise the device): every buffer set first, and a
-    # reserve in the caching allocator (which caches per stream) for what each rank's
-    # calls take from it.
-    for r, (x, idx, _, _) in enumerate(ranks):
-        with torch.cuda.stream(group.ranks[r].stream):
-            fused.prepare(x, idx, shards[r][0], group.ranks[r], settings)
-            reserve = [torch.empty(4 << 30, dtype=torch.uint8, device="cuda")]
-            reserve += [torch.empty(512 << 10, dtype=torch.uint8, device="cuda") for _ in range(64)]
-            del reserve
-    buffers = [fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers
-               for r, (x, idx, _, _) in enumerate(ranks)]
+    buffers = _prepare(group, ranks, shards, settings)
     prepared_rows = buffers[0].recv.shape[0]
-    loaded = {}
-    with _load_kernels_only(loaded):
-        for r, (x, idx, w, dy) in enumerate(ranks):
-            with torch.cuda.stream(group.ranks[r].stream):
-                _publish_received(buffers[r], buffers[r].calls + 1, ranks, r, local)
-                dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
-                fused.moe_backward(dy, x, idx, w, *shards[r], *dry[2:], group.ranks[r], False, settings)
-    _synchronize()
-    _reserve_local_memory(loaded)
     print(f"EP {ep} {kind}: buffers prepared ({prepared_rows} receive rows), kernels loaded", flush=True)
 
     forward = _on_each_rank(group, lambda r: fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r], False,
@@ -285,6 +296,73 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
                 assert max_row_error(got, want) < ROW_TOLERANCE, (ep, kind, r, name, "worst row")
 
 
+def _run_bad_ids(ep: int, bad_rank: int, seed: int) -> None:
+    """One rank's ``topk_idx`` holds an id past the last expert (at its last token), the
+    others' are valid: every rank's forward, each from its own thread, raises ValueError
+    naming that rank's id and where it is; no stream faults, no failure is recorded, no
+    rank's receive buffer (poisoned) gets a row, and the next forward of every rank
+    matches the fp32 reference."""
+    from titan_megamoe import fused, reference
+    from titan_megamoe.precision import get_precision
+    from titan_megamoe.settings import OperatorSettings
+    from titan_megamoe.symm import VirtualGroup
+
+    (w1, w2, w3), ranks = _problem("random", ep, seed)
+    local = EXPERTS // ep
+    capacity = max(x.shape[0] for x, *_ in ranks)
+    settings = OperatorSettings(precision="bf16", backend="fused", capacity_tokens_per_rank=capacity,
+                                timeout_s=20.0)
+    group = VirtualGroup(ep, torch.device("cuda"), name=f"virtual-bad-ids-{seed}")
+    shards = [tuple(w[r * local:(r + 1) * local] for w in (w1, w2, w3)) for r in range(ep)]
+    buffers = _prepare(group, ranks, shards, settings)
+    bad = [idx.clone() for _, idx, _, _ in ranks]
+    token = bad[bad_rank].shape[0] - 1
+    bad[bad_rank][token, TOP_K - 1] = 10**6
+    for b in buffers:
+        b.recv.fill_(float("nan"))
+    torch.cuda.synchronize()
+
+    def forward(r):
+        try:
+            fused.moe_forward(ranks[r][0], bad[r], ranks[r][2], *shards[r], group.ranks[r], False, settings)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    messages = _on_each_rank(group, forward)
+    _synchronize()
+    for r, message in enumerate(messages):
+        owner = "" if r == bad_rank else f"rank {bad_rank}'s "
+        print(f"EP {ep} rank {r}: {message}", flush=True)
+        assert message is not None, (r, "returned a result")
+        assert (f"{owner}topk_idx holds expert id {10**6}, outside [0, {EXPERTS}) ({ep} EP ranks x {local} local "
+                f"experts), at token {token}, slot {TOP_K - 1}") in message, (r, message)
+    assert fused.failures() == []
+    assert all(torch.isnan(b.recv).all() for b in buffers), "a row was sent"
+
+    forward = _on_each_rank(group, lambda r: fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r], False,
+                                                               settings))
+    _synchronize()
+    x_all, idx_all, w_all, _ = (torch.cat(parts) for parts in zip(*ranks))
+    y_ref, _ = reference.moe_forward(x_all.float(), idx_all, w_all, *(w.float() for w in (w1, w2, w3)), None,
+                                     False, get_precision("bf16"))
+    start = 0
+    for r, (x, *_) in enumerate(ranks):
+        err = relative_error(forward[r][0], y_ref[start:start + x.shape[0]])
+        start += x.shape[0]
+        print(f"EP {ep} rank {r}: the next forward {err:.1e} from fp32", flush=True)
+        assert err < TOLERANCE, (r, err)
+
+
+def _bad_ids_case(rank: int, world: int, ep: int, bad_rank: int) -> None:
+    _run_bad_ids(ep, bad_rank, seed=ep * 10 + bad_rank)
+
+
+@pytest.mark.parametrize("ep, bad_rank", [(4, 2), (8, 0)])
+def test_virtual_ranks_bad_expert_id(ep, bad_rank):
+    run_ranks(_bad_ids_case, 1, ep, bad_rank, backend="nccl", timeout_s=300)
+
+
 def _case(rank: int, world: int, ep: int, kind: str, precision: str = "bf16",
           receive_load: float = DEFAULT_RECEIVE_LOAD) -> None:
     _run(ep, kind, seed=ep * 10 + len(kind), save_gemm1=kind == "skewed", precision=precision,
@@ -300,7 +378,7 @@ def test_virtual_ranks(ep, kind):
 
 
 def test_virtual_ranks_sized_for_any_routing():
-    """Receive buffers that hold every row any routing can bring: no forward waits."""
+    """Receive buffers that hold every row any routing can bring: no forward grows them."""
     run_ranks(_case, 1, 8, "skewed", "bf16", 0.0, backend="nccl", timeout_s=300)
 
 
