@@ -1,0 +1,41 @@
+"""The load partition: TMA copies of each K step's operand tiles into the stage ring."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+# Triton 3.6 (what torch 2.11 pins) names the TMA load async_copy_global_to_shared; later
+# releases name it async_load and make the old name raise.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOAD_WARPS = gl.constexpr(1)
+"""Warps of the load partition: it only issues copies (scalar work)."""
+LOAD_REGISTERS = gl.constexpr(40)
+"""Its register budget: what is left goes to the consumer warpgroups."""
+
+
+@gluon.jit
+def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
+    """Fill stage after stage: the A tile ``[BLOCK_M, BLOCK_K]`` at the tile's first row
+    (rows past the tensor read as zeros), the B tile of the tile's expert, K-major
+    ``[BLOCK_N, BLOCK_K]`` out of ``[experts * N, K]`` or N-major ``[BLOCK_K, BLOCK_N]`` out
+    of ``[experts * K, N]``, and with a second B the same tile of B2."""
+    b_copies: gl.constexpr = 2 if spec.two_b else 1
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_copies * b_desc.block_type.nbytes
+    step = 0
+    for t in range(gl.program_id(0), tiles.count(spec), gl.num_programs(0)):
+        expert, row0, _, n0 = tiles.tile(t, spec, WARPS=LOAD_WARPS)
+        for k in range(0, spec.k, spec.block_k):
+            s, ready = ring.fill(step, spec)
+            mbarrier.expect(ready, stage_bytes)
+            tma_load(a_desc, [row0, k], ready, ring.a.index(s))
+            if spec.b_k_major:
+                b_row = expert * spec.n + n0
+                b_col = k
+            else:
+                b_row = expert * spec.k + k
+                b_col = n0
+            tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
+            if spec.two_b:
+                tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
+            step += 1

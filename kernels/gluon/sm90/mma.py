@@ -1,0 +1,159 @@
+"""The MMA partitions: consumer warpgroups that multiply what the load partition stages.
+
+Each consumer warpgroup owns ``MMA_ROWS`` (64) rows of every tile: warpgroup ``w`` rows
+``64 w ..`` of the stage's A tile, all of its B tile. Its MMAs are asynchronous
+(``warpgroup_mma``) and it waits with one K step left in flight, so the tensor cores
+always hold the next step's work while the warpgroup releases a stage, promotes a
+partial product or runs an epilogue; the other warpgroup's MMAs fill its epilogue.
+
+Blockwise fp8 (``scale_k`` 128): one wgmma per 128-deep K block into a fresh partial
+product; while block ``k``'s MMA runs, block ``k - 1``'s partial is promoted,
+``acc += part * a_scale[row] * b_scale``, in registers (Hopper's MMA has no block
+scaling). A 64 x 128 tile then holds three fp32 fragments per thread (64 registers
+each: accumulator, partial being promoted, partial in flight), which is why blockwise
+tiles are 128 columns wide and take one B.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+from titan_megamoe.kernels.gluon.sm90.epilogue import store_layout
+
+MMA_ROWS = gl.constexpr(64)
+"""Rows of a tile per consumer warpgroup (one m64 wgmma)."""
+MMA_WARPS = gl.constexpr(4)
+"""Warps of a consumer warpgroup."""
+MMA_REGISTERS = gl.constexpr(232)
+"""Register budget of a consumer warpgroup (two of them and the load warp's group fill
+an SM's 64 K registers: 128 x (232 + 232 + 40))."""
+
+
+@gluon.constexpr_function
+def mma_layout(block_n, element_bits):
+    """The accumulator layout of one warpgroup's ``[64, block_n]`` wgmma."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, block_n, 256 // element_bits])
+
+
+@gluon.jit
+def _mainloop(ring, step, acc, acc2, spec, WARPGROUP: gl.constexpr):
+    """Unscaled operands: ``acc = A B^T`` (and ``acc2 = A B2^T``) over the tile's K steps,
+    one step's MMAs in flight while the previous step's stage is released."""
+    for k in range(spec.k // spec.block_k):
+        a, b, b2 = ring.acquire(step, spec, WARPGROUP=WARPGROUP)
+        acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
+        if spec.two_b:
+            acc2 = warpgroup_mma(a, b2, acc2, use_acc=k > 0, is_async=True)
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        ring.release_previous(step, spec, pred=k > 0)
+        step += 1
+    if spec.two_b:
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    ring.release(step - 1, spec)
+    return acc, acc2, step
+
+
+@gluon.jit
+def _issue_block(ring, step, into, spec, WARPGROUP: gl.constexpr):
+    """Blockwise fp8: the MMAs of K block ``step`` (asynchronous), overwriting ``into``, a
+    fragment already promoted: the partial product takes its registers."""
+    a, b, _ = ring.acquire(step, spec, WARPGROUP=WARPGROUP)
+    return warpgroup_mma(a, b, into, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, part, scale, in_flight, ring, step, spec):
+    """Wait for K block ``step``'s partial product while ``in_flight``, the next block's,
+    may still run; release the block's stage and add the partial into ``acc`` scaled.
+    Returns the partial (its registers take a later block's MMA) and ``in_flight`` as the
+    wait hands it on, which keeps it in its registers across the loop."""
+    done, in_flight = warpgroup_mma_wait(num_outstanding=1, deps=(part, in_flight))
+    ring.release(step, spec)
+    acc = acc + done * scale[:, None]
+    # A second wait (nothing left to wait for) takes the promoted accumulator: the
+    # compiler may not sink the promotion past the next MMA's issue, which would keep
+    # the partial alive under it and make it copy the partial's registers first.
+    acc, in_flight = warpgroup_mma_wait(num_outstanding=1, deps=(acc, in_flight))
+    return acc, done, in_flight
+
+
+@gluon.jit
+def _promoted_chunk(acc, spare, first_spare, ring, step, a_scales, b_scales, live, k0, spec,
+                    BLOCKS: gl.constexpr, WARPGROUP: gl.constexpr):
+    """K blocks ``k0 .. k0 + BLOCKS`` of blockwise fp8, unrolled: block ``j + 1``'s MMA is
+    issued before block ``j`` is promoted, and the last one waited for. ``spare`` and
+    ``first_spare``: promoted fragments whose registers the partials take (returned again,
+    promoted, for the next chunk)."""
+    part = _issue_block(ring, step + k0, first_spare, spec, WARPGROUP=WARPGROUP)
+    scale = gl.load(a_scales + k0, mask=live, other=0.0) * gl.load(b_scales + k0)
+    for j in gl.static_range(1, BLOCKS):
+        following = _issue_block(ring, step + k0 + j, spare, spec, WARPGROUP=WARPGROUP)
+        # Block k0 + j's scales load while its MMA runs.
+        following_scale = gl.load(a_scales + k0 + j, mask=live, other=0.0) * gl.load(b_scales + k0 + j)
+        acc, spare, following = _promote(acc, part, scale, following, ring, step + k0 + j - 1, spec)
+        part = following
+        scale = following_scale
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+    ring.release(step + k0 + BLOCKS - 1, spec)
+    return acc + done * scale[:, None], spare, done
+
+
+@gluon.jit
+def _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                       WARPGROUP: gl.constexpr):
+    """Blockwise fp8: ``acc = sum_k (A_k B_k^T) * a_scale[:, k] * b_scale[k]`` over the
+    tile's 128-deep K blocks. ``a_scale [rows, K / 128]``, ``b_scale [experts, N / 128,
+    K / 128]`` fp32; the tile lies inside one 128-row block of B, so its B scale is one
+    number per K block.
+
+    The blocks go in unrolled chunks of ``promote_chunk``: inside one, each block's
+    partial is promoted while the next block's MMA runs (two partials alternate, each MMA
+    writing over the registers of one already promoted); a chunk's last block is waited
+    for. No MMA is in flight across the loop over chunks: ptxas serializes every wgmma of
+    a kernel where a partial in flight crosses a loop's back edge, or where another
+    instruction touches an accumulator in flight (a copy of one, the zeroing of one)."""
+    k_blocks: gl.constexpr = spec.k // spec.block_k
+    chunk: gl.constexpr = spec.promote_chunk
+    rows = row0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc.type.layout))
+    live = rows < row_end  # rows past the expert's: scale 0 (never stored)
+    a_scales = a_scale + rows.to(gl.int64) * k_blocks
+    b_scales = b_scale + (expert * (spec.n // spec.scale_n) + n0 // spec.scale_n).to(gl.int64) * k_blocks
+    spare = gl.zeros_like(acc)
+    first_spare = gl.zeros_like(acc)
+    for k0 in range(0, k_blocks - k_blocks % chunk, chunk):
+        acc, spare, first_spare = _promoted_chunk(acc, spare, first_spare, ring, step, a_scales, b_scales, live, k0,
+                                                  spec, BLOCKS=chunk, WARPGROUP=WARPGROUP)
+    if k_blocks % chunk > 0:
+        acc, _, _ = _promoted_chunk(acc, spare, first_spare, ring, step, a_scales, b_scales, live,
+                                    k_blocks - k_blocks % chunk, spec, BLOCKS=k_blocks % chunk,
+                                    WARPGROUP=WARPGROUP)
+    return acc, step + k_blocks
+
+
+@gluon.jit
+def mma_partition(ring, tiles, a_scale, b_scale, out, spec, WARPGROUP: gl.constexpr):
+    """Consumer warpgroup ``WARPGROUP``: for each of the program's tiles, the mainloop over
+    its 64 rows, then the spec's epilogue on them."""
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    out_layout: gl.constexpr = store_layout(spec.block_n, MMA_WARPS)
+    if spec.scale_k > 0:
+        gl.static_assert(spec.scale_k == spec.block_k, "blockwise fp8 takes one 128-deep scale block per K step")
+        gl.static_assert(spec.scale_n % spec.block_n == 0, "a blockwise tile lies inside one weight scale block")
+        gl.static_assert(spec.b_k_major and not spec.two_b, "blockwise fp8 takes one K-major B")
+    step = 0
+    for t in range(gl.program_id(0), tiles.count(spec), gl.num_programs(0)):
+        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
+        acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+        if spec.scale_k > 0:
+            acc, step = _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                                           WARPGROUP=WARPGROUP)
+            acc2 = acc
+        else:
+            acc, acc2, step = _mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+        rows = row0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, out_layout))
+        spec.epilogue(acc, acc2, out, rows.to(gl.int64), row_end, n0, spec.n)

@@ -1,0 +1,58 @@
+"""Persistent tile schedule over the experts' row blocks (who computes what, in what order).
+
+The rows are laid out as ``kernels.layout`` lays out a receive buffer: local expert ``e``'s
+``local_rows[e]`` rows start at row ``local_base[e]``, and its tiles at virtual row
+``block_base[e]``, a multiple of ``BLOCK_M`` in a space where each expert's rows are padded
+to whole blocks; ``num_blocks`` (device memory) counts the virtual blocks. A tile is one
+virtual block times ``BLOCK_N`` output columns; tile ``t`` is block ``t // N_TILES``,
+column block ``t % N_TILES``, so neighbouring programs share a block of A (and an
+expert's B) in L2. Program ``p`` of ``P`` takes tiles ``p, p + P, ...``: every partition
+of a program derives the same sequence, so they need not exchange tile numbers.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+
+
+@aggregate
+class ExpertTiles:
+    """The receive layout the tiles cover (device pointers, and the local experts)."""
+
+    block_base: gl.tensor
+    local_base: gl.tensor
+    local_rows: gl.tensor
+    local_experts: gl.tensor
+    num_blocks: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, block_base, local_base, local_rows, local_experts, num_blocks):
+        self.block_base = block_base
+        self.local_base = local_base
+        self.local_rows = local_rows
+        self.local_experts = local_experts
+        self.num_blocks = num_blocks
+
+    @gluon.jit
+    def count(self, spec):
+        """Tiles of the call: the layout's virtual blocks (read on the device) times the
+        column blocks."""
+        return gl.load(self.num_blocks) * (spec.n // spec.block_n)
+
+    @gluon.jit
+    def tile(self, t, spec, WARPS: gl.constexpr):
+        """``(expert, row0, row_end, n0)`` of tile ``t``: its local expert, its first row,
+        the end of the expert's rows (rows from there on belong to the next expert or to
+        no one: computed, never stored) and its first output column. ``WARPS``: the
+        calling partition's warps (the layout of the search over the experts' block
+        starts)."""
+        n_tiles: gl.constexpr = spec.n // spec.block_n
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        lane = gl.arange(0, spec.local_pad, layout=lanes)
+        virtual_row = (t // n_tiles) * spec.block_m
+        starts = gl.load(self.block_base + lane, mask=lane < self.local_experts, other=2147483647)
+        # The last expert starting at or before the block (one without rows starts where the next does).
+        expert = gl.sum((starts <= virtual_row).to(gl.int32), axis=0) - 1
+        base = gl.load(self.local_base + expert)
+        row0 = base + virtual_row - gl.load(self.block_base + expert)
+        return expert, row0, base + gl.load(self.local_rows + expert), (t % n_tiles) * spec.block_n

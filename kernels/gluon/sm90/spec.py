@@ -1,0 +1,51 @@
+"""The grouped GEMM's resolved decisions, as one constexpr record every partition reads."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+
+
+@aggregate
+class GemmSpec:
+    """Shapes, tiles and numerics of one grouped GEMM (all compile-time)."""
+
+    epilogue: gl.constexpr
+    """What a consumer does with its finished rows (``epilogue.EPILOGUES``)."""
+    n: gl.constexpr
+    k: gl.constexpr
+    block_m: gl.constexpr
+    block_n: gl.constexpr
+    block_k: gl.constexpr
+    stages: gl.constexpr
+    mma_warpgroups: gl.constexpr
+    """Consumer warpgroups, 64 rows of a tile each."""
+    local_pad: gl.constexpr
+    """A power of two >= the local experts (the schedule's search width)."""
+    two_b: gl.constexpr
+    """A second B shares each A tile (GEMM1's gate and up)."""
+    b_k_major: gl.constexpr
+    """B is ``[experts, N, K]``; else ``[experts, K, N]`` (bf16 only)."""
+    scale_k: gl.constexpr
+    """Blockwise fp8: elements of K per scale (128), 0 for bf16."""
+    scale_n: gl.constexpr
+    """Blockwise fp8: rows of B per scale (128)."""
+    promote_chunk: gl.constexpr
+    """Blockwise fp8: K blocks per unrolled chunk of the promoting mainloop."""
+
+    @gluon.constexpr_function
+    def __init__(self, epilogue, n, k, block_m, block_n, block_k, stages, mma_warpgroups, local_pad,
+                 two_b, b_k_major, scale_k, scale_n, promote_chunk):
+        self.epilogue = gl.constexpr(epilogue)
+        self.n = gl.constexpr(n)
+        self.k = gl.constexpr(k)
+        self.block_m = gl.constexpr(block_m)
+        self.block_n = gl.constexpr(block_n)
+        self.block_k = gl.constexpr(block_k)
+        self.stages = gl.constexpr(stages)
+        self.mma_warpgroups = gl.constexpr(mma_warpgroups)
+        self.local_pad = gl.constexpr(local_pad)
+        self.two_b = gl.constexpr(two_b)
+        self.b_k_major = gl.constexpr(b_k_major)
+        self.scale_k = gl.constexpr(scale_k)
+        self.scale_n = gl.constexpr(scale_n)
+        self.promote_chunk = gl.constexpr(promote_chunk)

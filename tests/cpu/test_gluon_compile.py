@@ -1,0 +1,92 @@
+"""The Gluon grouped GEMM core (``kernels.gluon.sm90``) without a GPU: Gluon does not run
+under the Triton interpreter, so its kernels are compiled for sm_90a here and their
+machine code checked (fits an H100/H200, no spills, the warp-specialized structure took:
+register reallocation, TMA loads, MMAs left in flight by their waits); the host-side
+layout and argument checks run on CPU tensors. Numerics: ``tests/gpu/test_gluon_gemm_gpu.py``."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_LIMIT = 232448
+MMA = {"bf16": ".f32.bf16.bf16", "fp8": ".f32.e4m3.e4m3"}
+
+
+@pytest.fixture(scope="module")
+def gluon_resources(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_resources.py"), "--gluon",
+                           "--precisions", "bf16,fp8", "--shape", "235B-A22B", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((out / "kernel_resources.json").read_text())["precisions"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
+    records = {r["kernel"]: r for r in gluon_resources[precision]}
+    assert set(records) == {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad"}, set(records)
+    for name, r in records.items():
+        assert r["shared_bytes"] <= SHARED_LIMIT, (name, r["shared_bytes"])
+        assert r["stack_bytes"] == 0 and r["local_accesses"] == 0, (name, "spills")
+        assert r["calls"] == 0, (name, "subroutine calls")
+        assert r["mma"].endswith(MMA[precision]), (name, r["mma"])
+        assert r["setmaxnreg"] > 0, (name, "no register reallocation between the partitions")
+        assert r["tma_loads"] > 0, (name, "no TMA loads")
+        # A wait that leaves MMAs in flight: ptxas serializes every wgmma of a kernel where an
+        # instruction touches an accumulator in flight (its waits then all leave none).
+        in_flight = 2 if (precision, name) == ("bf16", "gluon gate_up") else 1
+        assert max(r["mma_waits_in_flight"]) == in_flight, (name, r["mma_waits_in_flight"])
+
+
+def test_layout_matches_the_receive_layout():
+    """``ExpertLayout.from_counts`` places rows as ``kernels.layout`` does: each expert on a
+    ``row_align`` boundary, its tiles on ``block_m`` virtual rows, empty experts sharing the
+    next one's starts."""
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout
+
+    counts = [0, 1, 127, 128, 129, 0, 0, 300]
+    layout = ExpertLayout.from_counts(torch.tensor(counts), block_m=128, row_align=32)
+    base, block = 0, 0
+    for e, count in enumerate(counts):
+        assert layout.local_base[e].item() == base and layout.block_base[e].item() == block, e
+        assert layout.local_rows[e].item() == count
+        base += -(-count // 32) * 32
+        block += -(-count // 128) * 128
+    assert layout.rows == base and layout.num_blocks.item() == block // 128
+
+
+def test_host_checks_name_what_does_not_fit():
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles, grouped_gemm
+
+    layout = ExpertLayout.from_counts(torch.tensor([3, 5]), block_m=128, row_align=32)
+    rows = layout.rows + 128
+    a = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    b = torch.zeros(2, 512, 256, dtype=torch.bfloat16)
+    out = torch.empty(rows, 512, dtype=torch.bfloat16)
+    fp8 = torch.float8_e4m3fn
+    cases = [
+        (dict(a=a.to(torch.float16)), "bf16 or e4m3"),
+        (dict(a=a.to(fp8), b=b.to(fp8)), "need a_scale and b_scale"),
+        (dict(b=b.transpose(1, 2).contiguous().transpose(1, 2)), "b are not"),
+        (dict(out=torch.empty(rows, 256, dtype=torch.bfloat16)), "expected a"),
+        (dict(tiles=GemmTiles(256, 96, 3)), "multiples of the tile"),
+        (dict(tiles=GemmTiles(512, 64, 3)), "block_n = 512"),
+        (dict(b2=torch.zeros_like(b), tiles=GemmTiles(128, 64, 3)), "swiglu epilogue"),
+        (dict(epilogue="gelu"), "epilogue 'gelu' is unknown"),
+        (dict(a=a.to(fp8), b=b.to(fp8), a_scale=torch.ones(rows, 2), b_scale=torch.ones(2, 4, 2)), "128 x 128 tiles"),
+        (dict(b=torch.zeros(3, 512, 256, dtype=torch.bfloat16)), "places 2 experts' rows; b holds 3"),
+    ]
+    for change, message in cases:
+        args = dict(a=a, b=b, out=out, layout=layout, tiles=GemmTiles(256, 64, 3))
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            grouped_gemm(args.pop("a"), args.pop("b"), args.pop("out"), args.pop("layout"), args.pop("tiles"),
+                         programs=4, **args)

@@ -1,0 +1,87 @@
+"""The Gluon grouped GEMM core (``kernels.gluon.sm90``) on a Hopper GPU: every epilogue and
+operand form against fp32 products of the same (dequantized) operands, on uneven
+routings (experts without rows, with one row, with a tile and a row), outputs poisoned
+(rows no expert owns must stay untouched), fewer programs than tiles (the stage ring's
+phases wrap across tiles), and bit-for-bit repeatability."""
+
+import pytest
+import torch
+
+from script_modules import load_script
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (the Gluon core is SM90's)",
+)
+
+ROW_TOLERANCE = 5e-2
+"""Largest relative error of any one row (a global norm hides a bad row)."""
+
+COUNTS = [0, 1, 127, 128, 129, 0, 300, 1024, 64, 2, 513, 0, 255, 77, 1, 700]
+"""Rows per expert: none, one, a tile less one, a tile, a tile and one, ..."""
+
+
+def _case(gemm_bench, gemm, precision, n, k):
+    """A ``gemm_bench`` case of the given shape (its layer fields only label it)."""
+    base = gemm_bench.gemm_case("30B-A3B", len(COUNTS), gemm, precision)
+    return gemm_bench.GemmCase(base.gemm, "test", len(COUNTS), precision, n, k, base.two_b, base.b_k_major)
+
+
+def _row_errors(out, ref, live):
+    got, want = out[live].float(), ref[live]
+    return (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+
+
+@pytest.mark.parametrize("gemm, precision, n, k, tiles, programs", [
+    ("down", "bf16", 2048, 768, (256, 64, 4, 2), None),
+    ("down", "bf16", 512, 384, (128, 64, 3, 1), 5),
+    ("gate_up", "bf16", 768, 2048, (128, 64, 4, 2), None),
+    ("gate_up", "bf16", 256, 512, (64, 64, 6, 2), 3),
+    ("dy_w2", "bf16", 768, 2048, (256, 64, 4, 2), None),
+    ("down", "fp8", 2048, 768, (128, 128, 5, 2), None),   # 6 K blocks: a chunk of 4 and one of 2
+    ("down", "fp8", 512, 640, (128, 128, 4, 2), 3),        # 5 K blocks
+    ("dgrad", "fp8", 256, 128, (128, 128, 3, 2), 2),       # 1 K block
+    ("gate_up", "fp8", 1536, 2048, (128, 128, 5, 2), None),
+])
+def test_grouped_gemm_matches_fp32(gemm, precision, n, k, tiles, programs):
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles, grouped_gemm
+
+    gemm_bench = load_script("gemm_bench")
+    case = _case(gemm_bench, gemm, precision, n, k)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), block_m=128, row_align=32)
+    total = layout.rows + 128
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ops = gemm_bench.make_operands(case, total, torch.device("cuda"), generator)
+    fp8 = precision == "fp8"
+    block_n, block_k, stages, warpgroups = tiles
+
+    def run():
+        out = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grouped_gemm(ops.qa if fp8 else ops.a, ops.qb if fp8 else ops.b, out, layout,
+                     GemmTiles(block_n, block_k, stages, mma_warpgroups=warpgroups), b2=ops.b2,
+                     a_scale=ops.a_scale, b_scale=ops.b_scale, b_k_major=case.b_k_major,
+                     epilogue="swiglu" if case.two_b else "store", programs=programs)
+        return out
+
+    out = run()
+    live = gemm_bench.live_rows(layout, total, out.device)
+    assert not out[~live].isfinite().any(), "a row no expert owns was written"
+    ref = gemm_bench.reference(case, ops, layout, quantized=fp8)
+    error = gemm_bench.relative_error(out, ref, live)
+    assert error <= gemm_bench.TOLERANCE[precision], error
+    worst = _row_errors(out, ref, live).max().item()
+    assert worst <= ROW_TOLERANCE, worst
+    assert torch.equal(run().nan_to_num(), out.nan_to_num()), "two runs differ"
+
+
+def test_grouped_gemm_refuses_what_it_cannot_run():
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles, grouped_gemm
+
+    layout = ExpertLayout.from_counts(torch.tensor([3, 5], device="cuda"), block_m=128, row_align=32)
+    a = torch.randn(layout.rows + 128, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(a.shape[0], 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        grouped_gemm(a, b.transpose(1, 2).contiguous().transpose(1, 2), out, layout, GemmTiles(256, 64, 3))
+    with pytest.raises(ValueError, match="multiples of the tile"):
+        grouped_gemm(a, b, out, layout, GemmTiles(256, 96, 3))
