@@ -14,8 +14,9 @@ One call (all on the current stream; the host waits for the device only as step 
 2. ``dispatch_grad_gemm1_kernel``: expert inputs, ``dy`` rows and scores to the owners;
    GEMM1 recomputed (or read back from the forward's ``preact``), ``dy W2``, SwiGLU
    backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts.
-3. ``rows_gemm_combine_kernel``: ``dab [W1 | W3]`` pushed to the source ranks' combine
-   buffers, the score gradients to their ``score_grad``; COMBINE_READY.
+3. The dgrad rows GEMM (``forward.rows_gemm_combine``: ``rows_gemm_combine_kernel``, or
+   the Gluon core and ``combine_release_kernel``): ``dab [W1 | W3]`` pushed to the source
+   ranks' combine buffers, the score gradients to their ``score_grad``; COMBINE_READY.
 4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
    alignments (offsets are each expert's aligned end, read on the device):
    ``dW1 = da^T x``, ``dW3 = db^T x``, then (``dab`` freed) ``dW2 = dy^T h_wgrad``. They
@@ -68,11 +69,11 @@ from titan_megamoe.kernels.forward import (
     reduce,
     routing_numel,
     row_buffer,
+    rows_gemm_combine,
     split_routing,
     weight_scale_rows,
     weights_in_bf16,
 )
-from titan_megamoe.kernels.gemm2_combine import rows_gemm_combine_kernel
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
@@ -516,19 +517,9 @@ def fused_backward(
                      EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
     if preact is not None:
         release_preact(preact)
-    launch(rows_gemm_combine_kernel, (num_programs,),
-        dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales, w3_stored, buffers.recv_meta, buffers.combine,
-        buffers.combine_ptrs, score_parts, grad.score_grad, grad.score_grad_ptrs, buffers.flags,
-        buffers.flag_ptrs, buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank,
-        shape.ep, shape.local_experts, shape.rows_per_rank,
-        N=shape.hidden, K=2 * shape.inter, SCORE_PARTS=parts,
-        PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad,
-        BLOCK_M=tiles.block_m, TILE_M=tiles.dgrad_m, BLOCK_N=tiles.dgrad_n, BLOCK_K=tiles.dgrad_k,
-        UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
-        MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-        W_AS_STORED=w3_stored is not None, num_warps=tiles.dgrad_warps,
-        num_stages=tiles.dgrad_stages,
-    )
+    rows_gemm_combine(buffers, tiles.dgrad, dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales,
+                      w3_stored, fmt, scale_k, num_programs,
+                      score=(score_parts, grad.score_grad, grad.score_grad_ptrs, parts))
     # The weight gradients read neither: their memory goes to what those allocate (the
     # caching allocator hands it out in stream order, after the kernel above).
     del first_kernel, w2_operand, w13t, w2_operand_scales, w13t_scales, w3_stored, dab_q, dab_scales

@@ -4,11 +4,27 @@ name). Free of Triton, so the host can decide where the kernels run without impo
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from titan_megamoe.precision import Format
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels run under the Triton interpreter (CPU tests)."""
+
+
+ROWS_GEMM_KERNELS = ("tl", "gluon")
+"""Implementations of the rows GEMMs (GEMM2, dgrad): ``TileConfig.gemm2_kernel``."""
+
+
+class RowsGemmTiles(NamedTuple):
+    """One rows GEMM's row of the table (GEMM2's or dgrad's)."""
+
+    kernel: str
+    m: int
+    n: int
+    k: int
+    warps: int
+    stages: int
 
 
 @dataclass(frozen=True)
@@ -115,6 +131,15 @@ class TileConfig:
     (the scattered stores to the combine buffers) overlaps the other's MMAs."""
     dgrad_m: int = 128
     """The same for the dgrad GEMM."""
+    gemm2_kernel: str = "tl"
+    """What runs GEMM2 and its combine stores: ``"tl"`` (``rows_gemm_combine_kernel``) or
+    ``"gluon"``, Hopper's warp-specialized core (``kernels.gluon.sm90``), on ``gemm2_m`` /
+    64 consumer warpgroups (``gemm2_m`` = ``block_m``: a tile is a block), ``gemm2_n`` x
+    ``gemm2_k`` tiles in ``gemm2_stages`` stages (``gemm2_warps`` unused). The core takes
+    bf16 operands or blockwise e4m3; other operands run ``"tl"``, and the log says so."""
+    dgrad_kernel: str = "tl"
+    """The same for the dgrad GEMM; ``"gluon"`` reads ``[W1 | W3]`` transposed
+    (``w13_as_stored_rows`` = 0)."""
     grad1_saved_parts: int = 1
     """1 or 2: where GEMM1 was saved, the backward's first kernel runs its SwiGLU backward
     over each half of a tile's ``grad1_saved_n`` columns in turn (2), so that one half's
@@ -152,9 +177,31 @@ class TileConfig:
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
         if self.w13_as_stored_rows < 0:
             raise ValueError(f"w13_as_stored_rows = {self.w13_as_stored_rows} must be >= 0")
+        for name in ("gemm2", "dgrad"):
+            kernel, rows = getattr(self, f"{name}_kernel"), getattr(self, f"{name}_m")
+            if kernel not in ROWS_GEMM_KERNELS:
+                raise ValueError(f"{name}_kernel = {kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
+            if kernel == "gluon" and rows != self.block_m:
+                raise ValueError(f"{name}_kernel = 'gluon' tiles whole blocks: {name}_m = {rows} must be block_m = "
+                                 f"{self.block_m}")
+            if kernel == "gluon" and (self.mx_upcast or self.mx_dequantized_weights):
+                raise ValueError(f"{name}_kernel = 'gluon' multiplies bf16 or blockwise e4m3 operands; mx_upcast and "
+                                 "mx_dequantized_weights must be 0 with it")
+        if self.dgrad_kernel == "gluon" and self.w13_as_stored_rows:
+            raise ValueError("dgrad_kernel = 'gluon' reads [W1 | W3] transposed: w13_as_stored_rows must be 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):
             raise ValueError("mx_in_bf16 = 1 runs bf16 GEMMs on operands held in bf16; mx_upcast and "
                              "mx_dequantized_weights (ways to scale e4m3 operands) must be 0 with it")
+
+    @property
+    def gemm2(self) -> RowsGemmTiles:
+        return RowsGemmTiles(self.gemm2_kernel, self.gemm2_m, self.gemm2_n, self.gemm2_k, self.gemm2_warps,
+                             self.gemm2_stages)
+
+    @property
+    def dgrad(self) -> RowsGemmTiles:
+        return RowsGemmTiles(self.dgrad_kernel, self.dgrad_m, self.dgrad_n, self.dgrad_k, self.dgrad_warps,
+                             self.dgrad_stages)
 
     def operand_format(self, fmt: Format) -> Format:
         """The format the kernels of this row hold ``fmt``'s GEMM operands in: ``fmt``, or
@@ -181,10 +228,13 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # GEMM2 and dgrad take their tiles one after another: with the rows' destinations
     # loaded before the mainloop, a tile loop flattened into the K loop spilled (3.8x
     # slower); unflattened it is 5% faster than the flattened loop was without them (v29).
+    # GEMM2 runs on the Gluon core, 128x256x64 in 4 stages: 0.71 ms against the tl
+    # kernel's 1.10 at 30B-A3B 16k (v39). dgrad stays tl: the core reads no B split along
+    # K, and a transposed [W1 | W3] costs more than its GEMM would gain (v24).
     ("sm90", "native"): TileConfig(
         block_m=128, w2_as_stored=1, w13_as_stored_rows=EVERY_CALL, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
-        gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
+        gemm2_kernel="gluon", gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=4,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
@@ -212,14 +262,17 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # Dispatch copies of 16 whole e4m3 rows (2,048 columns) per step: a copy waits on its
     # loads, and wider steps keep more bytes in flight (GEMM1 kernel 8% faster, v17).
     # GEMM1 claims its next tile before the mainloop: 6-7% faster here (bf16's GEMM1 ran
-    # 2-5% slower with it, at the same registers, v30).
+    # 2-5% slower with it, at the same registers, v30). GEMM2 and dgrad run on the Gluon
+    # core, 128x128x128 in 5 stages, the promotion under the next block's MMA: together
+    # 1.38 ms against the tl kernel's 2.50 at 30B-A3B 16k, 4.74 against 7.13 at 235B-A22B
+    # (v39).
     ("sm90", "fp8_block"): TileConfig(
         block_m=128, gemm1_claim_ahead=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,
-        gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=4,
+        gemm2_kernel="gluon", gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=5,
         grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
         grad1_saved_stages=4,
-        dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=4,
+        dgrad_kernel="gluon", dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=5,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_warps=2,
         wgrad_library_macs=2**34,
@@ -232,11 +285,11 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # GEMM1 was saved, 128 wide with its epilogue in halves (at 128 in one part, rounding
     # [da | db] spilled: 64 wide was faster, v20; halves 2.42 -> 1.88 ms, v22). The
     # weight gradients run torch's bf16 grouped GEMM on copies quantized along the tokens
-    # and dequantized (v19).
+    # and dequantized (v19). GEMM2 on the Gluon core, as bf16's (v39).
     ("sm90", "mxfp8"): TileConfig(
         block_m=128, mx_in_bf16=1, mx_wgrad_dequantized=1, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
-        gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=3,
+        gemm2_kernel="gluon", gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=4,
         grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
         grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
@@ -297,6 +350,21 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,
 format names as ``titan_megamoe.precision`` does."""
+
+GLUON_ARCHS = ("sm90",)
+"""Architectures the Gluon core (``*_kernel = "gluon"``) is written for."""
+
+
+def check_table(table: dict[tuple[str, str], TileConfig]) -> None:
+    """Raise where a row names an implementation its architecture cannot run."""
+    for (arch, fmt_name), row in table.items():
+        for phase in (row.gemm2, row.dgrad):
+            if phase.kernel == "gluon" and arch not in GLUON_ARCHS:
+                raise ValueError(f"tile row ({arch}, {fmt_name}) runs a rows GEMM on the Gluon core, which is written "
+                                 f"for {', '.join(GLUON_ARCHS)} only")
+
+
+check_table(TILE_CONFIGS)
 
 ARCH_BY_CAPABILITY = {(9, 0): "sm90", (10, 0): "sm100"}
 """CUDA compute capability -> architecture of the table."""

@@ -24,14 +24,27 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels import sync
-from titan_megamoe.kernels.configs import INTERPRET, TileConfig
+from titan_megamoe.kernels.configs import INTERPRET, RowsGemmTiles, TileConfig
 from titan_megamoe.kernels.dispatch_gemm1 import dispatch_gemm1_kernel
-from titan_megamoe.kernels.gemm2_combine import combine_reduce_kernel, rows_gemm_combine_kernel
+from titan_megamoe.kernels.gemm2_combine import (
+    combine_reduce_kernel,
+    combine_release_kernel,
+    rows_gemm_combine_kernel,
+)
+from titan_megamoe.kernels.gluon.sm90.grouped_gemm import (
+    FP8_BLOCK,
+    CombineRows,
+    ExpertLayout,
+    GemmTiles,
+    grouped_gemm,
+)
+from titan_megamoe.kernels.gluon.sm90.mma import MMA_ROWS
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.layout import layout_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import (
+    NUM_BLOCKS,
     RECEIVED_BAD_ID,
     RECEIVED_BAD_RANK,
     RECEIVED_BAD_SLOT,
@@ -583,18 +596,8 @@ def fused_forward(
             ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
             num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
         )
-        launch(rows_gemm_combine_kernel, (num_programs,),
-            buffers.h, buffers.h_scales, w2, w2_scales, None, buffers.recv_meta, buffers.combine, buffers.combine_ptrs,
-            buffers.h, buffers.flags, buffers.flag_ptrs, buffers.flags, buffers.flag_ptrs,
-            buffers.state, buffers.local_base, buffers.block_base, buffers.local_rows, shape.rank, shape.ep,
-            shape.local_experts, shape.rows_per_rank,
-            N=shape.hidden, K=shape.inter, SCORE_PARTS=0, PARTS_PAD=1,
-            COMBINE_READY=flags.combine_ready, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-            TILE_M=tiles.gemm2_m, BLOCK_N=tiles.gemm2_n, BLOCK_K=tiles.gemm2_k, UPCAST_DOT=INTERPRET,
-            SCALE_K=fmt.row_scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
-            W_AS_STORED=False,
-            num_warps=tiles.gemm2_warps, num_stages=tiles.gemm2_stages,
-        )
+        rows_gemm_combine(buffers, tiles.gemm2, buffers.h, buffers.h_scales, w2, w2_scales, None, fmt,
+                          fmt.row_scale_k, num_programs)
         reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
                scale_by_score=not score_before_experts, score_dot=False)
         after_launches(buffers)
@@ -610,6 +613,60 @@ def fused_forward(
         tokens_per_expert = run(first=False)
     buffers.resident = (buffers.calls, inputs)
     return y, tokens_per_expert, routing, buffers.calls
+
+
+GLUON_OPERANDS = (torch.bfloat16, torch.float8_e4m3fn)
+"""Operand dtypes the Gluon core multiplies (``TileConfig.gemm2_kernel``)."""
+
+_logged_tl_instead: set[tuple[str, torch.dtype]] = set()
+
+
+def rows_gemm_combine(buffers: ForwardBuffers, phase: RowsGemmTiles, a: torch.Tensor, a_scales, w: torch.Tensor,
+                      w_scales, w_rest, fmt: Format, scale_k: int, num_programs: int,
+                      score: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    """``a [rows, K] w[e]^T`` for every received row, each pushed to its source rank's combine
+    buffer, then COMBINE_READY released to every peer (``gemm2_combine``): GEMM2, and the
+    dgrad GEMM with ``score = (parts, score_grad, score_grad_ptrs, parts per row)``, whose
+    sums go back too. ``w [local experts, N, K]`` (or, ``w_rest`` given, as stored: see
+    ``rows_gemm_combine_kernel``); quantized, ``a`` has a scale per ``scale_k`` columns
+    and ``w`` per weight block of ``fmt``. ``phase`` (``TileConfig.gemm2``, ``.dgrad``)
+    names the implementation and its tiles."""
+    shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
+    n_dim, k_dim = shape.hidden, a.shape[1]
+    parts_tensor, score_grad, score_grad_ptrs, parts = score or (a, buffers.flags, buffers.flag_ptrs, 0)
+    gluon = phase.kernel == "gluon" and a.dtype in GLUON_OPERANDS
+    if phase.kernel == "gluon" and not gluon and (phase.kernel, a.dtype) not in _logged_tl_instead:
+        _logged_tl_instead.add((phase.kernel, a.dtype))
+        logger.info(f"mega_moe fused: a rows GEMM of {a.dtype} operands runs the tl kernel; the Gluon core the "
+                    "tile table names multiplies bf16 or e4m3 operands")
+    release = dict(SCORE_PARTS=parts, PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready,
+                   LOCAL_PAD=pad(shape.local_experts), BLOCK_M=tiles.block_m)
+    common = (buffers.recv_meta, buffers.flags, buffers.flag_ptrs, buffers.state, buffers.local_base,
+              buffers.block_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank)
+    if not gluon:
+        launch(rows_gemm_combine_kernel, (num_programs,),
+            a, a_scales, w, w_scales, w_rest, common[0], buffers.combine, buffers.combine_ptrs, parts_tensor,
+            score_grad, score_grad_ptrs, *common[1:], N=n_dim, K=k_dim, **release, TILE_M=phase.m, BLOCK_N=phase.n,
+            BLOCK_K=phase.k, UPCAST_DOT=INTERPRET, SCALE_K=scale_k, W_SCALE_N=weight_scale_rows(fmt, tiles),
+            MX_DOT=mx_dot(fmt, tiles.mx_upcast), W_AS_STORED=w_rest is not None,
+            num_warps=phase.warps, num_stages=phase.stages,
+        )
+        return
+    if w_rest is not None:
+        raise ValueError("the Gluon rows GEMM reads the weight transposed, not as stored (w_rest)")
+    if scale_k and (scale_k, weight_scale_rows(fmt, tiles)) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(f"the Gluon rows GEMM takes blockwise fp8 (1 x {FP8_BLOCK} and {FP8_BLOCK} x {FP8_BLOCK} "
+                         f"scale blocks); {fmt.name} scales 1 x {scale_k} and {fmt.weight_block}")
+    layout = ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
+                          buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], block_m=tiles.block_m,
+                          rows=buffers.capacity_rows)
+    grouped_gemm(a, w, buffers.combine, layout, GemmTiles(phase.n, phase.k, phase.stages, phase.m // int(MMA_ROWS)),
+                 a_scale=a_scales, b_scale=w_scales,
+                 combine=CombineRows(buffers.recv_meta, buffers.combine_ptrs, shape.rank, shape.rows_per_rank),
+                 programs=num_programs)
+    # The score sums and the release, after every row is stored (stream order).
+    launch(combine_release_kernel, (num_programs if parts else 1,),
+           parts_tensor, score_grad, score_grad_ptrs, *common, **release)
 
 
 REDUCE_MIN_TOKENS = 8

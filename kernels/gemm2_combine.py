@@ -12,6 +12,10 @@ the programs then also sum each row's score-gradient parts in fixed order and pu
 sum to the source's ``score_grad[token * k + slot]``. The last program
 to finish releases every peer's COMBINE_READY flag (protocol: ``sync``).
 
+``combine_release_kernel``: the score sums and the release alone (``release_combine``),
+after a rows GEMM of another kernel, Hopper's Gluon core (``kernels.gluon.sm90``, its
+combine epilogue), stored every row; stream order puts it after the last store.
+
 ``combine_reduce_kernel``: once every owner has released COMBINE_READY, each token's k
 rows are summed in fp32 in slot order 0..k-1, times the scores when ``SCALE_BY_SCORE``: the
 result does not depend on arrival order, bit for bit. With ``SCORE_DOT`` it also writes
@@ -88,6 +92,19 @@ def rows_gemm_combine_kernel(
         )
         tl.store(combine + dest[:, None] + cols[None, :], acc.to(out_dtype), mask=live[:, None] & col_ok[None, :])
 
+    release_combine(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, flag_ptrs, state, local_base,
+                    block_base, local_rows, rank, ep, local_experts, rows_per_rank, SCORE_PARTS=SCORE_PARTS,
+                    PARTS_PAD=PARTS_PAD, COMBINE_READY=COMBINE_READY, LOCAL_PAD=LOCAL_PAD, BLOCK_M=BLOCK_M)
+
+
+@triton.jit
+def release_combine(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, flag_ptrs, state, local_base,
+                    block_base, local_rows, rank, ep, local_experts, rows_per_rank, SCORE_PARTS: tl.constexpr,
+                    PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr, LOCAL_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """Once a program has stored its rows: with ``SCORE_PARTS``, its share of the rows'
+    score-gradient sums; then the last program to get here releases every peer's
+    COMBINE_READY flag."""
     if SCORE_PARTS > 0:
         # A loop of its own, over whole blocks: every column tile's parts are summed.
         parts = tl.arange(0, PARTS_PAD)
@@ -115,6 +132,18 @@ def rows_gemm_combine_kernel(
         epoch = tl.load(state + EPOCH)
         for peer in range(ep):
             signal(peer_pointer(flags, flag_ptrs, peer, rank) + COMBINE_READY + rank, epoch)
+
+
+@triton.jit
+def combine_release_kernel(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, flag_ptrs, state, local_base,
+                           block_base, local_rows, rank, ep, local_experts, rows_per_rank, SCORE_PARTS: tl.constexpr,
+                           PARTS_PAD: tl.constexpr, COMBINE_READY: tl.constexpr, LOCAL_PAD: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+    """``release_combine`` after a rows GEMM of another kernel (the Gluon core, launched
+    before it on the stream) stored every row to its combine buffer."""
+    release_combine(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, flag_ptrs, state, local_base,
+                    block_base, local_rows, rank, ep, local_experts, rows_per_rank, SCORE_PARTS=SCORE_PARTS,
+                    PARTS_PAD=PARTS_PAD, COMBINE_READY=COMBINE_READY, LOCAL_PAD=LOCAL_PAD, BLOCK_M=BLOCK_M)
 
 
 @triton.jit

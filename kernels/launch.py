@@ -9,7 +9,8 @@ once per specialization and then launches the compiled kernel directly.
 The key of a specialization holds everything Triton specializes a compiled kernel on, or
 more (a finer key only costs an extra lookup through Triton's own path): every constexpr
 argument's value and the launch options by value; for the other arguments, a tensor's
-dtype and whether its address is 16-byte aligned; an integer's being 1, a multiple of 16,
+dtype and whether its address is 16-byte aligned; a TMA descriptor's dtype, tile and
+shared-memory layout; an integer's being 1, a multiple of 16,
 and its width (32-bit signed, 64-bit signed, unsigned); a bool, a float or None by type.
 Globals the kernels read are module-level constants, so the per-launch check of them is
 left out. Under the interpreter every launch takes Triton's path (it compiles nothing).
@@ -18,6 +19,7 @@ left out. Under the interpreter every launch takes Triton's path (it compiles no
 import inspect
 
 import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 
 from titan_megamoe.kernels.configs import INTERPRET
@@ -35,12 +37,14 @@ def _runtime_key(value):
     """What Triton specializes a non-constexpr argument on (or more)."""
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, TensorDescriptor):  # specialized on its tiles, not its tensor's extent
+        return value.base.dtype, tuple(value.block_shape), value.layout, value.padding
     if isinstance(value, bool) or value is None or isinstance(value, float):
         return type(value)
     if isinstance(value, int):
         return value == 1, value % 16 == 0, value in _INT32, value >= 2**63
     raise TypeError(f"launch: an argument of type {type(value).__name__} ({value!r}); the kernels take "
-                    "tensors, integers, floats, bools and None")
+                    "tensors, TMA descriptors, integers, floats, bools and None")
 
 
 def _current_device() -> int:

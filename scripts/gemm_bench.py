@@ -108,7 +108,7 @@ def gluon_candidates(case: GemmCase):
     elif case.two_b:
         others = [GemmTiles(128, 64, 3), GemmTiles(64, 64, 6)]
     else:
-        others = [GemmTiles(256, 64, 3), GemmTiles(128, 64, 6), GemmTiles(128, 64, 4, mma_warpgroups=1)]
+        others = [GemmTiles(256, 64, 3), GemmTiles(128, 64, 6), GemmTiles(128, 64, 4)]
     return [DEFAULT_TILES[case.precision, case.two_b], *others]
 
 

@@ -57,20 +57,27 @@ from bench_layer import (  # noqa: E402
     SHAPES, add_buffer_arguments, matmul_peak_tflops, memory_at_peak, positive_float,
 )
 
-TILE_FIELDS = tuple(f.name for f in dataclasses.fields(configs.TileConfig))
+TILE_FIELDS = {f.name: f.type for f in dataclasses.fields(configs.TileConfig)}
+
+
+ROWS_GEMM_KERNEL_NAMES = {"tl": "rows_gemm_combine_kernel", "gluon": "grouped_gemm_kernel"}
+"""The kernel each implementation of a rows GEMM (``TileConfig.gemm2_kernel``) launches."""
 
 
 def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool,
-                library_wgrad: tuple[bool, bool] = (False, False)) -> dict[str, int]:
+                library_wgrad: tuple[bool, bool] = (False, False),
+                rows_kernels: tuple[str, str] = ("tl", "tl")) -> dict[str, int]:
     """Expert-GEMM FLOPs per call of each fused GEMM kernel for ``rows`` received rows
     (what its mainloops compute; a recomputed GEMM1 counts); bf16's weight gradients run
     in torch's grouped GEMMs, which the table does not name, and so do the quantized
     weight gradients (dW1 with dW3, dW2) that ``library_wgrad`` says run torch's
-    blockwise-scaled matmul (``backward.runs_library_wgrad``)."""
+    blockwise-scaled matmul (``backward.runs_library_wgrad``). ``rows_kernels``: the
+    implementations of GEMM2 and dgrad (``TileConfig.gemm2_kernel``, ``.dgrad_kernel``)."""
     unit = 2 * rows * hidden * inter  # one [rows, H] x [H, I] product
-    flops = {"dispatch_gemm1_kernel": 2 * unit, "rows_gemm_combine_kernel": unit}
+    gemm2, dgrad = (ROWS_GEMM_KERNEL_NAMES[k] for k in rows_kernels)
+    flops = {"dispatch_gemm1_kernel": 2 * unit, gemm2: unit}
     if backward:
-        flops["rows_gemm_combine_kernel"] += 2 * unit  # dgrad: [da | db] [W1 | W3]^T
+        flops[dgrad] = flops.get(dgrad, 0) + 2 * unit  # dgrad: [da | db] [W1 | W3]^T
         flops["dispatch_grad_gemm1_kernel"] = unit + (0 if save_gemm1 else 2 * unit)
         library_dw13, library_dw2 = library_wgrad
         if not (library_dw13 and library_dw2):
@@ -181,13 +188,19 @@ def comm_sms_list(text: str) -> list[int]:
     return [int(v) for v in values]
 
 
-def tile_changes(text: str) -> dict[str, int]:
-    """``field=value,...`` over the tile table's fields ("" keeps the table as is)."""
+def tile_changes(text: str) -> dict[str, int | str]:
+    """``field=value,...`` over the tile table's fields ("" keeps the table as is): integers,
+    or names for the fields that name an implementation (``gemm2_kernel=tl``)."""
     changes = {}
     for item in filter(None, text.split(",")):
         field, sep, value = item.partition("=")
         if field not in TILE_FIELDS:
             raise argparse.ArgumentTypeError(f"unknown tile field {field!r}; fields: {', '.join(TILE_FIELDS)}")
+        if TILE_FIELDS[field] is str:
+            if value not in configs.ROWS_GEMM_KERNELS:
+                raise argparse.ArgumentTypeError(f"{item!r}: expected {field}=<{' or '.join(configs.ROWS_GEMM_KERNELS)}>")
+            changes[field] = value
+            continue
         if not sep or not value.isdigit():
             raise argparse.ArgumentTypeError(f"{item!r}: expected {field}=<integer >= 0>")
         changes[field] = int(value)
@@ -297,7 +310,9 @@ def main():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.name[:60]] += e.device_time / args.iters / 1e3
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
-                          "kernels_ms": dict(kernels), "library_wgrad": library}
+                          "kernels_ms": dict(kernels), "library_wgrad": library,
+                          "rows_kernels": (configs.TILE_CONFIGS[arch, precision.forward.name].gemm2_kernel,
+                                           grad_tiles.dgrad_kernel)}
         if args.host:
             wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
             results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
@@ -308,7 +323,8 @@ def main():
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
         for r in results.values():
-            r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["library_wgrad"])
+            r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["library_wgrad"],
+                                           r["rows_kernels"])
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
         print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "

@@ -90,3 +90,30 @@ def test_host_checks_name_what_does_not_fit():
         with pytest.raises(ValueError, match=message):
             grouped_gemm(args.pop("a"), args.pop("b"), args.pop("out"), args.pop("layout"), args.pop("tiles"),
                          programs=4, **args)
+
+
+def test_the_tile_table_names_what_each_rows_gemm_runs():
+    """``gemm2_kernel`` / ``dgrad_kernel``: the Gluon core on sm90 rows only, over whole
+    blocks, on bf16 or blockwise e4m3 operands, with ``[W1 | W3]`` transposed; anything
+    else is refused naming the field."""
+    import dataclasses
+
+    from titan_megamoe.kernels import configs
+
+    native = configs.TILE_CONFIGS["sm90", "native"]
+    assert (native.gemm2.kernel, native.dgrad.kernel) == ("gluon", "tl")
+    fp8 = configs.TILE_CONFIGS["sm90", "fp8_block"]
+    assert (fp8.gemm2.kernel, fp8.dgrad.kernel) == ("gluon", "gluon")
+    assert all(row.gemm2.kernel == "tl" for (arch, _), row in configs.TILE_CONFIGS.items() if arch != "sm90")
+    refused = [
+        (dict(gemm2_kernel="cuda"), "gemm2_kernel = 'cuda'; known: tl, gluon"),
+        (dict(gemm2_m=64), "gemm2_m = 64 must be block_m"),
+        (dict(dgrad_kernel="gluon"), "w13_as_stored_rows must be 0"),
+        (dict(mx_upcast=1), "mx_upcast and mx_dequantized_weights must be 0"),
+    ]
+    for change, message in refused:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(native, **change)
+    with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs a rows GEMM on the Gluon core"):
+        configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
+                                                                    gemm2_kernel="gluon")})

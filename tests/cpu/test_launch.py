@@ -90,6 +90,23 @@ def test_what_triton_specializes_on_takes_triton_s_path_again(on_gpu, change):
     assert [s[0] for s in kernel.seen] == ["jit", "jit", "compiled"], change
 
 
+def test_a_tma_descriptor_is_keyed_by_its_tile_not_its_tensor(on_gpu):
+    """The Gluon core's descriptors: a new tensor of another extent reuses the compiled
+    kernel; another tile or dtype compiles again."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def descriptor(rows, block, dtype=torch.bfloat16):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+        return TensorDescriptor.from_tensor(torch.zeros(rows, 64, dtype=dtype), block, layout)
+
+    kernel = _kernel()
+    for desc in (descriptor(256, [128, 64]), descriptor(512, [128, 64]), descriptor(256, [64, 64]),
+                 descriptor(256, [128, 64], torch.float16)):
+        launching.launch(kernel, (1,), desc, 32, True, None, BLOCK=16)
+    assert [s[0] for s in kernel.seen] == ["jit", "compiled", "jit", "jit"]
+
+
 def test_an_argument_of_another_type_is_refused_by_name(on_gpu):
     with pytest.raises(TypeError, match="an argument of type list"):
         launching.launch(_kernel(), (1,), torch.zeros(4), [1], True, None, BLOCK=16)

@@ -190,6 +190,11 @@ def test_profile_layer_counts_each_stage_against_the_peak():
     # dW1 and dW3 through torch's blockwise-scaled matmul: wgrad_kernel computes dW2 alone.
     library = [profile_layer.stage_flops(rows, hidden, inter, True, True, (True, dw2)) for dw2 in (False, True)]
     assert library[0]["wgrad_kernel"] == unit and "wgrad_kernel" not in library[1]
+    # GEMM2 on the Gluon core, dgrad on the tl kernel (bf16's row), then both on the core.
+    split = profile_layer.stage_flops(rows, hidden, inter, True, True, rows_kernels=("gluon", "tl"))
+    assert (split["grouped_gemm_kernel"], split["rows_gemm_combine_kernel"]) == (unit, 2 * unit)
+    both = profile_layer.stage_flops(rows, hidden, inter, True, True, rows_kernels=("gluon", "gluon"))
+    assert both["grouped_gemm_kernel"] == 3 * unit and "rows_gemm_combine_kernel" not in both
     # 1.24 TFLOP forward at 792 TFLOP/s: 1.56 ms; fwd+bwd three times that.
     assert profile_layer.roofline_ms(rows, hidden, inter, False, 792.0) == pytest.approx(1.563, rel=1e-3)
     assert profile_layer.roofline_ms(rows, hidden, inter, True, 792.0) == pytest.approx(3 * 1.563, rel=1e-3)
@@ -665,7 +670,10 @@ def test_ab_train_rejects_a_bad_ab_stock_bf16(tmp_path):
 # ---------------------------------------------------------------- kernel resources
 
 
-GEMM_KERNELS = {"dispatch_gemm1_kernel", "rows_gemm_combine_kernel", "dispatch_grad_gemm1_kernel"}
+GEMM_KERNELS = {"dispatch_gemm1_kernel", "dispatch_grad_gemm1_kernel"}
+ROWS_GEMM_KERNELS = {"rows_gemm_combine_kernel", "grouped_gemm_kernel"}
+"""The rows GEMMs' implementations (``TileConfig.gemm2_kernel``): the Gluon core's kernel
+with ``combine_release_kernel`` after it."""
 
 
 def _kernel_resources(tmp_path, *runs: tuple[str, ...]) -> dict:
@@ -697,11 +705,13 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
     report = _kernel_resources(tmp_path, ("--precisions", "bf16,fp8_bwd"), ("--precisions", "fp8,mxfp8"))
     for name in ("bf16", "fp8", "fp8_bwd", "mxfp8"):
         kernels = {r["kernel"] for r in report["precisions"][name]}
-        assert GEMM_KERNELS <= kernels, name
+        assert GEMM_KERNELS <= kernels, (name, kernels)
+        # The table runs GEMM2 on the Gluon core in every sm90 row, the release after it.
+        assert {"grouped_gemm_kernel", "combine_release_kernel"} <= kernels, (name, kernels)
     assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"]["fp8"]}
     mx_kernels = {r["kernel"] for r in report["precisions"]["mxfp8"]}
     assert "dequantized_rows_kernel" in mx_kernels and "wgrad_kernel" not in mx_kernels, mx_kernels
-    mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS}
+    mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS | ROWS_GEMM_KERNELS}
     assert mma and all(m.endswith(".f32.bf16.bf16") for m in mma), mma
     # No subroutine calls (a correctly rounded division calls its slow path, and the call
     # spills the registers live across it): the quantizers compute scales without one.
@@ -719,9 +729,9 @@ def test_sm100_mxfp8_kernels_compile_to_native_mx_mma(tmp_path):
     issues the block-scaled MX MMA, and every kernel fits in shared memory."""
     report = _kernel_resources(tmp_path, ("--arch", "sm100", "--precisions", "mxfp8"))
     records = report["precisions"]["mxfp8"]
-    assert GEMM_KERNELS | {"wgrad_kernel"} <= {r["kernel"] for r in records}
+    assert GEMM_KERNELS | {"rows_gemm_combine_kernel", "wgrad_kernel"} <= {r["kernel"] for r in records}
     for r in records:
-        if r["kernel"] in GEMM_KERNELS | {"wgrad_kernel"}:
+        if r["kernel"] in GEMM_KERNELS | {"rows_gemm_combine_kernel", "wgrad_kernel"}:
             assert "block_scale.block32" in r["mma"], r
 
 

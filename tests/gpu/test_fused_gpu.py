@@ -165,10 +165,13 @@ def _check_other_mx_form(rank: int, world: int, precision: str):
     # This process's row only; the fused backend keys its buffers by the tiles.
     row = (configs.arch_of(torch.cuda.get_device_capability()), get_precision(precision).forward.name)
     table = configs.TILE_CONFIGS[row]
+    # The e4m3 MX operands run the tl rows GEMMs (the Gluon core takes bf16 or blockwise e4m3).
     if table.mx_in_bf16:  # then the e4m3 operands, upcast in the mainloop against bf16 weights
-        other = dataclasses.replace(table, mx_in_bf16=0, mx_upcast=1, mx_dequantized_weights=1)
+        other = dataclasses.replace(table, mx_in_bf16=0, mx_upcast=1, mx_dequantized_weights=1, gemm2_kernel="tl",
+                                    dgrad_kernel="tl")
     else:
-        other = dataclasses.replace(table, mx_dequantized_weights=1 - table.mx_dequantized_weights)
+        other = dataclasses.replace(table, mx_dequantized_weights=1 - table.mx_dequantized_weights,
+                                    gemm2_kernel="tl", dgrad_kernel="tl")
     configs.TILE_CONFIGS[row] = other
     _check_scenarios(rank, world, precision)
 

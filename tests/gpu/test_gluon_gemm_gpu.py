@@ -48,17 +48,18 @@ def test_grouped_gemm_matches_fp32(gemm, precision, n, k, tiles, programs):
 
     gemm_bench = load_script("gemm_bench")
     case = _case(gemm_bench, gemm, precision, n, k)
-    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), block_m=128, row_align=32)
-    total = layout.rows + 128
+    block_n, block_k, stages, warpgroups = tiles
+    gemm_tiles = GemmTiles(block_n, block_k, stages, mma_warpgroups=warpgroups)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), block_m=gemm_tiles.block_m, row_align=32)
+    total = layout.rows + gemm_tiles.block_m
     generator = torch.Generator().manual_seed(torch.seed() % 2**31)
     ops = gemm_bench.make_operands(case, total, torch.device("cuda"), generator)
     fp8 = precision == "fp8"
-    block_n, block_k, stages, warpgroups = tiles
 
     def run():
         out = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         grouped_gemm(ops.qa if fp8 else ops.a, ops.qb if fp8 else ops.b, out, layout,
-                     GemmTiles(block_n, block_k, stages, mma_warpgroups=warpgroups), b2=ops.b2,
+                     gemm_tiles, b2=ops.b2,
                      a_scale=ops.a_scale, b_scale=ops.b_scale, b_k_major=case.b_k_major,
                      epilogue="swiglu" if case.two_b else "store", programs=programs)
         return out
@@ -85,3 +86,43 @@ def test_grouped_gemm_refuses_what_it_cannot_run():
         grouped_gemm(a, b.transpose(1, 2).contiguous().transpose(1, 2), out, layout, GemmTiles(256, 64, 3))
     with pytest.raises(ValueError, match="multiples of the tile"):
         grouped_gemm(a, b, out, layout, GemmTiles(256, 96, 3))
+    with pytest.raises(ValueError, match="a tile is one block of the layout"):
+        grouped_gemm(a, b, out, layout, GemmTiles(256, 64, 3, mma_warpgroups=1))
+
+
+@pytest.mark.parametrize("precision, n, k, tiles", [
+    ("bf16", 512, 384, (256, 64, 4, 2)),
+    ("fp8", 512, 640, (128, 128, 5, 2)),
+])
+def test_grouped_gemm_combines_rows_to_their_origins(precision, n, k, tiles):
+    """The combine epilogue (GEMM2's and dgrad's): each row goes to row ``origin %
+    rows_per_rank`` of rank ``origin // rows_per_rank``'s copy of the output, here two copies
+    of one allocation as two ranks' symmetric buffers would be, seen from rank 0."""
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import CombineRows, ExpertLayout, GemmTiles, grouped_gemm
+
+    gemm_bench = load_script("gemm_bench")
+    case = _case(gemm_bench, "down", precision, n, k)
+    gemm_tiles = GemmTiles(*tiles[:3], mma_warpgroups=tiles[3])
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), block_m=gemm_tiles.block_m, row_align=32)
+    total = layout.rows + gemm_tiles.block_m
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ops = gemm_bench.make_operands(case, total, torch.device("cuda"), generator)
+    live = gemm_bench.live_rows(layout, total, torch.device("cuda"))
+    rows_per_rank = int(live.sum())
+    slots = torch.randperm(2 * rows_per_rank, generator=generator)[:rows_per_rank].to("cuda")
+    origin = torch.full((total,), -1, dtype=torch.int32, device="cuda")  # rows no expert owns: never read
+    origin[live] = slots.to(torch.int32)
+    copies = torch.full((2 * rows_per_rank, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    mine = copies[:rows_per_rank]
+    ptrs = torch.tensor([mine.data_ptr(), copies[rows_per_rank:].data_ptr()], device="cuda")
+    fp8 = precision == "fp8"
+    grouped_gemm(ops.qa if fp8 else ops.a, ops.qb if fp8 else ops.b, mine, layout, gemm_tiles,
+                 a_scale=ops.a_scale, b_scale=ops.b_scale, combine=CombineRows(origin, ptrs, 0, rows_per_rank),
+                 programs=7)
+    ref = gemm_bench.reference(case, ops, layout, quantized=fp8)
+    want = torch.full((2 * rows_per_rank, n), float("nan"), device="cuda")
+    want[slots] = ref[live]
+    written = ~want[:, 0].isnan()
+    assert torch.equal(copies[:, 0].isnan(), ~written), "a slot no row came from was written, or one was missed"
+    error = float((copies[written].float() - want[written]).norm() / want[written].norm())
+    assert error <= gemm_bench.TOLERANCE[precision], error

@@ -14,7 +14,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+
 from titan_megamoe.kernels.gluon.sm90.epilogue import EPILOGUES
+from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.gluon.sm90.load import LOAD_REGISTERS, LOAD_WARPS, load_partition
 from titan_megamoe.kernels.gluon.sm90.mma import MMA_REGISTERS, MMA_ROWS, MMA_WARPS, mma_partition
 from titan_megamoe.kernels.gluon.sm90.ring import StageRing
@@ -62,10 +64,10 @@ DEFAULT_TILES = {
 (``scripts/gemm_bench.py --sweep`` times the candidates)."""
 
 
-@gluon.jit(do_not_specialize=["local_experts"])
-def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out,
+@gluon.jit(do_not_specialize=["local_experts", "rank", "rows_per_rank"])
+def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank,
                         block_base, local_base, local_rows, local_experts, num_blocks,
-                        EPILOGUE: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BLOCK_N: gl.constexpr,
+                        EPILOGUE: gl.constexpr, COMBINE: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, MMA_WARPGROUPS: gl.constexpr, LOCAL_PAD: gl.constexpr,
                         TWO_B: gl.constexpr, B_K_MAJOR: gl.constexpr, SCALE_K: gl.constexpr,
                         SCALE_N: gl.constexpr, PROMOTE_CHUNK: gl.constexpr):
@@ -76,20 +78,23 @@ def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out,
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(BLOCK_M == MMA_WARPGROUPS * MMA_ROWS, "a tile is 64 rows per consumer warpgroup")
     gl.static_assert((N % BLOCK_N == 0) and (K % BLOCK_K == 0), "tiles divide N and K")
-    spec = GemmSpec(EPILOGUE, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPGROUPS, LOCAL_PAD, TWO_B, B_K_MAJOR,
+    spec = GemmSpec(EPILOGUE, COMBINE, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPGROUPS, LOCAL_PAD, TWO_B, B_K_MAJOR,
                     SCALE_K, SCALE_N, PROMOTE_CHUNK)
     ring = StageRing.allocate(a_desc, b_desc, b2_desc, spec)
     tiles = ExpertTiles(block_base, local_base, local_rows, local_experts, num_blocks)
     if MMA_WARPGROUPS == 2:
         gl.warp_specialize([
-            (mma_partition, (ring, tiles, a_scale, b_scale, out, spec, 0)),
-            (mma_partition, (ring, tiles, a_scale, b_scale, out, spec, 1)),
+            (mma_partition, (ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank,
+                             spec, 0)),
+            (mma_partition, (ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank,
+                             spec, 1)),
             (load_partition, (a_desc, b_desc, b2_desc, ring, tiles, spec)),
         ], [MMA_WARPS, LOAD_WARPS], [MMA_REGISTERS, LOAD_REGISTERS])
     else:
         gl.static_assert(MMA_WARPGROUPS == 1, "one or two consumer warpgroups")
         gl.warp_specialize([
-            (mma_partition, (ring, tiles, a_scale, b_scale, out, spec, 0)),
+            (mma_partition, (ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank,
+                             spec, 0)),
             (load_partition, (a_desc, b_desc, b2_desc, ring, tiles, spec)),
         ], [LOAD_WARPS], [LOAD_REGISTERS])
 
@@ -99,17 +104,30 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
+@dataclass(frozen=True)
+class CombineRows:
+    """Where rows go instead of their own rows of ``out``: row ``r`` to row ``origin[r] %
+    rows_per_rank`` of rank ``origin[r] // rows_per_rank``'s copy of ``out``, a symmetric
+    buffer ``[rows_per_rank, N]`` whose copies lie at ``out_ptrs[rank]`` (int64 addresses)."""
+
+    origin: torch.Tensor
+    out_ptrs: torch.Tensor
+    rank: int
+    rows_per_rank: int
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "ExpertLayout", tiles: GemmTiles, *,
                  b2: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
                  b_scale: torch.Tensor | None = None, b_k_major: bool = True, epilogue: str = "store",
-                 programs: int | None = None) -> None:
+                 combine: CombineRows | None = None, programs: int | None = None) -> None:
     """``out[rows of e] = epilogue(a[rows] b[e]^T (, a[rows] b2[e]^T))`` for the rows ``layout``
-    places.
+    places, or each row to its origin (``combine``).
 
     ``a [rows, K]``; ``b`` (and ``b2``) ``[experts, N, K]`` (``b_k_major``) or ``[experts, K,
-    N]``; ``out [rows, N]``. bf16, or e4m3 with ``a_scale [rows, K / 128]`` and ``b_scale
-    [experts, N / 128, K / 128]`` (fp32, blockwise). ``programs``: persistent programs
-    (default: one per SM). Raises naming what does not fit the kernel.
+    N]``; ``out [rows, N]`` (``combine``: ``[rows_per_rank, N]``). bf16, or e4m3 with
+    ``a_scale [rows, K / 128]`` and ``b_scale [experts, N / 128, K / 128]`` (fp32,
+    blockwise). ``programs``: persistent programs (default: one per SM). Raises naming
+    what does not fit the kernel.
     """
     if a.dtype not in GL_DTYPES or b.dtype != a.dtype:
         raise ValueError(f"grouped_gemm multiplies bf16 or e4m3 operands of one dtype; got {a.dtype} and {b.dtype}")
@@ -122,9 +140,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "E
         raise ValueError(f"grouped_gemm takes contiguous tensors; {', '.join(strided)} are not")
     experts = b.shape[0]
     k_dim, n_dim = (b.shape[2], b.shape[1]) if b_k_major else (b.shape[1], b.shape[2])
-    if a.shape[1] != k_dim or out.shape != (a.shape[0], n_dim):
+    out_rows = combine.rows_per_rank if combine is not None else a.shape[0]
+    if a.shape[1] != k_dim or out.shape != (out_rows, n_dim):
         raise ValueError(f"shapes: a {tuple(a.shape)}, b {tuple(b.shape)} ({'K' if b_k_major else 'N'}-major), "
-                         f"out {tuple(out.shape)}: expected a [rows, {k_dim}] and out [rows, {n_dim}]")
+                         f"out {tuple(out.shape)}: expected a [rows, {k_dim}] and out [{out_rows}, {n_dim}]")
     if scaled and (tiles.block_n, tiles.block_k) != (FP8_BLOCK, FP8_BLOCK):
         raise ValueError(f"blockwise fp8 takes {FP8_BLOCK} x {FP8_BLOCK} tiles of N x K (one weight scale block, one "
                          f"promotion per K step); got {tiles.block_n} x {tiles.block_k}")
@@ -142,6 +161,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "E
         raise ValueError("the swiglu epilogue takes two weights (b2) and only it does")
     if layout.local_experts != experts:
         raise ValueError(f"the layout places {layout.local_experts} experts' rows; b holds {experts}")
+    if layout.block_m != tiles.block_m:
+        raise ValueError(f"the layout's blocks are {layout.block_m} rows and the tiles {tiles.block_m}: a tile is "
+                         "one block of the layout")
     a_block = [tiles.block_m, tiles.block_k]
     b_block = [tiles.block_n, tiles.block_k] if b_k_major else [tiles.block_k, tiles.block_n]
     b_rows = experts * (n_dim if b_k_major else k_dim)
@@ -149,26 +171,30 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "E
     b2_desc = _descriptor(b2.reshape(b_rows, -1), b_block) if b2 is not None else None
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count
-    grouped_gemm_kernel[(programs,)](
-        _descriptor(a, a_block), b_desc, b2_desc, a_scale, b_scale, out,
+    targets = (combine.origin, combine.out_ptrs, combine.rank, combine.rows_per_rank) if combine else (None,) * 4
+    launch(grouped_gemm_kernel, (programs,),
+        _descriptor(a, a_block), b_desc, b2_desc, a_scale, b_scale, out, *targets,
         layout.block_base, layout.local_base, layout.local_rows, experts, layout.num_blocks,
-        EPILOGUES[epilogue], n_dim, k_dim, tiles.block_n, tiles.stages, tiles.mma_warpgroups,
-        triton.next_power_of_2(experts), b2 is not None, b_k_major, FP8_BLOCK if scaled else 0, FP8_BLOCK,
-        tiles.promote_chunk, num_warps=int(MMA_WARPS),
+        EPILOGUE=EPILOGUES[epilogue], COMBINE=combine is not None, N=n_dim, K=k_dim, BLOCK_N=tiles.block_n,
+        STAGES=tiles.stages, MMA_WARPGROUPS=tiles.mma_warpgroups, LOCAL_PAD=triton.next_power_of_2(experts),
+        TWO_B=b2 is not None, B_K_MAJOR=b_k_major, SCALE_K=FP8_BLOCK if scaled else 0, SCALE_N=FP8_BLOCK,
+        PROMOTE_CHUNK=tiles.promote_chunk, num_warps=int(MMA_WARPS),
     )
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where each local expert's rows lie, as ``kernels.layout`` lays out a receive buffer
-    (int32 device tensors; ``num_blocks`` one element)."""
+    (int32 device tensors; ``num_blocks`` one integer element)."""
 
     local_base: torch.Tensor
     local_rows: torch.Tensor
     block_base: torch.Tensor
     num_blocks: torch.Tensor
+    block_m: int
+    """Virtual rows per block (``block_base`` counts them): a tile's rows."""
     rows: int
-    """Rows the layout spans (the last expert's end, aligned)."""
+    """Rows the layout spans (the last expert's end, aligned), or at most spans."""
 
     @property
     def local_experts(self) -> int:
@@ -183,6 +209,5 @@ class ExpertLayout:
         blocks = (counts + block_m - 1) // block_m
         local_base = torch.cumsum(aligned, 0) - aligned
         block_base = (torch.cumsum(blocks, 0) - blocks) * block_m
-        rows = int(aligned.sum())
         return cls(local_base.to(torch.int32), counts.to(torch.int32), block_base.to(torch.int32),
-                   blocks.sum().reshape(1).to(torch.int32), rows)
+                   blocks.sum().reshape(1).to(torch.int32), block_m, int(aligned.sum()))

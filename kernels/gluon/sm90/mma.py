@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from titan_megamoe.kernels.gluon.sm90.epilogue import store_layout
+from titan_megamoe.kernels.gluon.sm90.epilogue import row_origins, row_starts, store_layout
 
 MMA_ROWS = gl.constexpr(64)
 """Rows of a tile per consumer warpgroup (one m64 wgmma)."""
@@ -136,9 +136,10 @@ def _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end,
 
 
 @gluon.jit
-def mma_partition(ring, tiles, a_scale, b_scale, out, spec, WARPGROUP: gl.constexpr):
+def mma_partition(ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank, spec,
+                  WARPGROUP: gl.constexpr):
     """Consumer warpgroup ``WARPGROUP``: for each of the program's tiles, the mainloop over
-    its 64 rows, then the spec's epilogue on them."""
+    its 64 rows, then the spec's epilogue on them (stored where ``row_starts`` says)."""
     layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
     out_layout: gl.constexpr = store_layout(spec.block_n, MMA_WARPS)
     if spec.scale_k > 0:
@@ -148,6 +149,11 @@ def mma_partition(ring, tiles, a_scale, b_scale, out, spec, WARPGROUP: gl.conste
     step = 0
     for t in range(gl.program_id(0), tiles.count(spec), gl.num_programs(0)):
         expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
+        rows = row0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, out_layout))
+        live = rows < row_end
+        # The rows' origins load under the mainloop's MMAs; their 64-bit destinations,
+        # formed after it (from a few cached words), would hold registers across it.
+        origin = row_origins(rows, live, row_origin, spec.combine)
         acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
         if spec.scale_k > 0:
             acc, step = _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
@@ -155,5 +161,5 @@ def mma_partition(ring, tiles, a_scale, b_scale, out, spec, WARPGROUP: gl.conste
             acc2 = acc
         else:
             acc, acc2, step = _mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
-        rows = row0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, out_layout))
-        spec.epilogue(acc, acc2, out, rows.to(gl.int64), row_end, n0, spec.n)
+        dest = row_starts(origin, live, out, out_ptrs, rank, rows_per_rank, spec.n, spec.combine)
+        spec.epilogue(acc, acc2, out, dest, live, n0)

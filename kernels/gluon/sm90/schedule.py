@@ -3,7 +3,7 @@
 The rows are laid out as ``kernels.layout`` lays out a receive buffer: local expert ``e``'s
 ``local_rows[e]`` rows start at row ``local_base[e]``, and its tiles at virtual row
 ``block_base[e]``, a multiple of ``BLOCK_M`` in a space where each expert's rows are padded
-to whole blocks; ``num_blocks`` (device memory) counts the virtual blocks. A tile is one
+to whole blocks; ``num_blocks`` (device memory) counts the virtual blocks (int32 or int64). A tile is one
 virtual block times ``BLOCK_N`` output columns; tile ``t`` is block ``t // N_TILES``,
 column block ``t % N_TILES``, so neighbouring programs share a block of A (and an
 expert's B) in L2. Program ``p`` of ``P`` takes tiles ``p, p + P, ...``: every partition
@@ -37,7 +37,7 @@ class ExpertTiles:
     def count(self, spec):
         """Tiles of the call: the layout's virtual blocks (read on the device) times the
         column blocks."""
-        return gl.load(self.num_blocks) * (spec.n // spec.block_n)
+        return gl.load(self.num_blocks).to(gl.int32) * (spec.n // spec.block_n)
 
     @gluon.jit
     def tile(self, t, spec, WARPS: gl.constexpr):

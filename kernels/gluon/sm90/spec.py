@@ -11,6 +11,8 @@ class GemmSpec:
 
     epilogue: gl.constexpr
     """What a consumer does with its finished rows (``epilogue.EPILOGUES``)."""
+    combine: gl.constexpr
+    """Rows go to their origins in the ranks' combine buffers (``epilogue.row_starts``)."""
     n: gl.constexpr
     k: gl.constexpr
     block_m: gl.constexpr
@@ -33,9 +35,10 @@ class GemmSpec:
     """Blockwise fp8: K blocks per unrolled chunk of the promoting mainloop."""
 
     @gluon.constexpr_function
-    def __init__(self, epilogue, n, k, block_m, block_n, block_k, stages, mma_warpgroups, local_pad,
+    def __init__(self, epilogue, combine, n, k, block_m, block_n, block_k, stages, mma_warpgroups, local_pad,
                  two_b, b_k_major, scale_k, scale_n, promote_chunk):
         self.epilogue = gl.constexpr(epilogue)
+        self.combine = gl.constexpr(combine)
         self.n = gl.constexpr(n)
         self.k = gl.constexpr(k)
         self.block_m = gl.constexpr(block_m)
