@@ -48,27 +48,12 @@ if [[ $AB_STOCK_BF16 == 1 ]]; then
     python "$REPO/scripts/ab_stock_toml.py" --drop-quantize "$CONFIG_FILE" "$AB_OUT/stock_bf16.toml"
 fi
 
-train() {  # name; runs <AB_OUT>/<name>.toml, logs to <AB_OUT>/<name>.log
+AB_SCRIPT=ab_train
+launch_run() {  # name [overrides]: <AB_OUT>/<name>.toml
     local name=$1
     shift
-    local log="$AB_OUT/$name.log"
-    echo "ab_train: $name run, log $log"
-    if ! CONFIG_FILE="$AB_OUT/$name.toml" "$REPO/scripts/run_train.sh" \
-            --job.dump_folder "$AB_OUT/$name" "$@" 2>&1 | tee "$log"; then
-        echo "ab_train: the $name run failed; last lines of $log:" >&2
-        tail -n 40 "$log" >&2
-        exit 1
-    fi
+    CONFIG_FILE="$AB_OUT/$name.toml" "$REPO/scripts/run_train.sh" --job.dump_folder "$AB_OUT/$name" "$@"
 }
-
-# mega_moe first: the run more likely to fail fails before the stock run is spent.
-train mega_moe "$@"
-train stock "$@"
-also=()
-if [[ $AB_STOCK_BF16 == 1 ]]; then
-    train stock_bf16 "$@"
-    also=(--also "stock_bf16=$AB_OUT/stock_bf16.log" --baseline stock_bf16)
-fi
-
-python "$REPO/scripts/ab_report.py" --stock "$AB_OUT/stock.log" --mega-moe "$AB_OUT/mega_moe.log" \
-    --window "$AB_WINDOW" --out "$AB_OUT" "${also[@]}"
+# shellcheck source=scripts/ab_runs.sh
+source "$REPO/scripts/ab_runs.sh"
+ab_runs_and_report "$@"

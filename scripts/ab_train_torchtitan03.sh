@@ -54,10 +54,10 @@ mkdir -p "$AB_OUT"
 
 STOCK=titan_megamoe.torchtitan03.overrides.stock_routed_experts
 
-train() {  # name; logs to <AB_OUT>/<name>.log
+AB_SCRIPT=ab_train_torchtitan03
+launch_run() {  # name [overrides]: the config, or its stock twin; arguments kept in <AB_OUT>/<name>.args
     local name=$1
     shift
-    local log="$AB_OUT/$name.log"
     local -a args=(--dump_folder "$AB_OUT/$name")
     case $name in
         stock) args+=(--override.imports "$STOCK") ;;
@@ -65,22 +65,8 @@ train() {  # name; logs to <AB_OUT>/<name>.log
     esac
     args+=("$@")
     printf '%q ' "MODULE=$MODULE" "CONFIG=$CONFIG" "${args[@]}" > "$AB_OUT/$name.args"
-    echo "ab_train_torchtitan03: $name run, log $log"
-    if ! "$REPO/scripts/run_train_torchtitan03.sh" "${args[@]}" 2>&1 | tee "$log"; then
-        echo "ab_train_torchtitan03: the $name run failed; last lines of $log:" >&2
-        tail -n 40 "$log" >&2
-        exit 1
-    fi
+    "$REPO/scripts/run_train_torchtitan03.sh" "${args[@]}"
 }
-
-# mega_moe first: the run more likely to fail fails before the stock run is spent.
-train mega_moe "$@"
-train stock "$@"
-also=()
-if [[ $AB_STOCK_BF16 == 1 ]]; then
-    train stock_bf16 "$@"
-    also=(--also "stock_bf16=$AB_OUT/stock_bf16.log" --baseline stock_bf16)
-fi
-
-python "$REPO/scripts/ab_report.py" --stock "$AB_OUT/stock.log" --mega-moe "$AB_OUT/mega_moe.log" \
-    --window "$AB_WINDOW" --out "$AB_OUT" "${also[@]}"
+# shellcheck source=scripts/ab_runs.sh
+source "$REPO/scripts/ab_runs.sh"
+ab_runs_and_report "$@"

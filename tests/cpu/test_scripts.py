@@ -617,7 +617,7 @@ def _fake_repo(tmp_path: Path, logs: dict[str, str]) -> Path:
     records the run's TOML and arguments and prints that run's synthetic log."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("ab_train.sh", "ab_stock_toml.py", "ab_report.py"):
+    for name in ("ab_train.sh", "ab_runs.sh", "ab_stock_toml.py", "ab_report.py"):
         shutil.copy2(REPO / "scripts" / name, repo / "scripts" / name)
     _write_logs(logs, tmp_path / "logs")
     fake = repo / "scripts" / "run_train.sh"

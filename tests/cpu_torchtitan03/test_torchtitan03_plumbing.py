@@ -199,7 +199,7 @@ def _fake_gpu_repo(tmp_path: Path, logs: Path) -> Path:
     (mega_moe.log, stock.log or stock_bf16.log)."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("ab_train_torchtitan03.sh", "ab_report.py"):
+    for name in ("ab_train_torchtitan03.sh", "ab_runs.sh", "ab_report.py"):
         shutil.copy(REPO / "scripts" / name, repo / "scripts" / name)
     (repo / "scripts" / "run_train.sh").write_text("#!/usr/bin/env bash\nexit 0\n")
     (repo / "scripts" / "run_train_torchtitan03.sh").write_text(f"""#!/usr/bin/env bash
