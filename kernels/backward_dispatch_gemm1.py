@@ -161,8 +161,9 @@ def dispatch_grad_gemm1_kernel(
         # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
         d = tile_gemm(
             recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
-            INTER, HIDDEN, TILE_M, BLOCK_N, BLOCK_K, False, GRAD_SCALE_K, W_SCALE_N, MX_DOT, GRAD_READ_K,
-            UPCAST_DOT, W2_AS_STORED, 0,
+            N=INTER, K=HIDDEN, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False,
+            SCALE_K=GRAD_SCALE_K, B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=GRAD_READ_K,
+            UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W2_AS_STORED, B_K_SPLIT=0,
         )
         if EPILOGUE_PARTS == 1:
             score_part = _swiglu_backward(

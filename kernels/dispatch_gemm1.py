@@ -270,6 +270,8 @@ def gate_up(
     when ``SCALE_K`` > 0, the rows quantized as they are read with ``QUANTIZE_A`` > 0
     (``tile_gemm``)."""
     return tile_gemm(
-        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN, INTER, HIDDEN,
-        BLOCK_M, BLOCK_N, BLOCK_K, True, SCALE_K, W_SCALE_N, MX_DOT, QUANTIZE_A, UPCAST_DOT, False, 0,
+        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN,
+        N=INTER, K=HIDDEN, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=True, SCALE_K=SCALE_K,
+        B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=QUANTIZE_A, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=False,
+        B_K_SPLIT=0,
     )

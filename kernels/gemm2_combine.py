@@ -87,8 +87,10 @@ def rows_gemm_combine_kernel(
         offset = _peer_offset(combine_ptrs, origin // rows_per_rank, rank, live, elem, 16 // elem)
         dest = offset + (origin % rows_per_rank).to(tl.int64) * N
         acc = tile_gemm(
-            a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K, N, K,
-            TILE_M, BLOCK_N, BLOCK_K, False, SCALE_K, W_SCALE_N, MX_DOT, False, UPCAST_DOT, W_AS_STORED, K_SPLIT,
+            a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K,
+            N=N, K=K, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=SCALE_K,
+            B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=0, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W_AS_STORED,
+            B_K_SPLIT=K_SPLIT,
         )
         tl.store(combine + dest[:, None] + cols[None, :], acc.to(out_dtype), mask=live[:, None] & col_ok[None, :])
 

@@ -139,8 +139,9 @@ def wgrad_kernel(
     m_rows = m0 + tl.arange(0, BLOCK_M)
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
-        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n0, k_start, k_end, N, KT,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, TOKEN_BLOCK, 1, MX_DOT, False, UPCAST_DOT, False, 0,
+        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n0, k_start, k_end,
+        N=N, K=KT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=TOKEN_BLOCK,
+        B_SCALE_N=1, MX_DOT=MX_DOT, QUANTIZE_A=0, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=False, B_K_SPLIT=0,
     )
     if SPLIT_M > 0:
         tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")
