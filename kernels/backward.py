@@ -349,9 +349,10 @@ def rows_to_hold(buffers: ForwardBuffers, forward_call: int,
     expert's, ``layout``, at most the receive buffer's), and each local expert's rows. A
     forward whose record was overwritten (``ForwardBuffers.received_rows``) gives the
     receive buffer's rows (buffers only grow: at least that forward's) and no expert's,
-    said once in the log."""
+    said once in the log. A bad expert id in a forward that left its record to its
+    backward raises here, on every rank (``ForwardBuffers.check_record``)."""
     most = buffers.recv.shape[0]
-    received = buffers.received_rows(forward_call, timeout_s)
+    received = buffers.check_record(forward_call, timeout_s, "its backward")
     if received is None:
         if not buffers.warned_unsized:
             buffers.warned_unsized = True
@@ -517,7 +518,7 @@ def fused_backward(
                      EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
     if preact is not None:
         release_preact(preact)
-    rows_gemm_combine(buffers, tiles.dgrad, dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales,
+    rows_gemm_combine(buffers, tiles, tiles.dgrad, dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales,
                       w3_stored, fmt, scale_k, num_programs,
                       score=(score_parts, grad.score_grad, grad.score_grad_ptrs, parts))
     # The weight gradients read neither: their memory goes to what those allocate (the

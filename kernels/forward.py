@@ -2,15 +2,18 @@
 the backward), the four launches, and the checks every call makes before launching.
 
 Counts, offsets and tile counts are computed and read on the device, and every grid is
-sized by capacity. The host waits for the device in one place only: a forward, its
-launches made (the GPU keeps the call's kernels queued), reads from host memory the
-record its layout kernel wrote (``ForwardBuffers.received_rows``). Where an expert id was
-out of range, the layout let the kernels do nothing, and the forward raises naming it;
-where the receive buffers hold fewer rows than any routing can bring
+sized by capacity. The host waits for the device in one place only: it reads from host
+memory the record a forward's layout kernel wrote (``ForwardBuffers.received_rows``),
+once that forward's launches are made (the GPU keeps the call's kernels queued). Where an
+expert id was out of range, the layout let the kernels do nothing, and the reader raises
+naming it; where the receive buffers hold fewer rows than any routing can bring
 (``ForwardShape.receive_load``) and the most rows its layout found any rank receives did
 not fit, the layout let the kernels do nothing too, and the forward grows the buffers and
-runs again (``ForwardBuffers.grow_to_fit``). A failure on the device (``sync``) is read
-from the status record, also in host memory.
+runs again (``ForwardBuffers.grow_to_fit``). A forward reads its own record at once only
+where it must (buffers that may not fit, or no backward to read it): otherwise its
+backward does, or the next forward, so that the host may run a call ahead of the device
+(``ForwardBuffers.unread_forward``). A failure on the device (``sync``) is read from the
+status record, also in host memory.
 """
 
 import logging
@@ -228,6 +231,10 @@ class ForwardBuffers:
         """Whether a backward said it could not size its buffers by its forward's rows."""
         self.resident = None
         """``(call, inputs_key)`` of the forward whose expert inputs the receive buffer holds."""
+        self.unread_forward: int | None = None
+        """A forward call whose record no one has read yet (``fused_forward`` with
+        ``backward_reads_record``): its backward reads it (``check_record``), else the next
+        forward on these buffers does."""
 
     def _allocate_rows(self, rows: int) -> None:
         """(Re)allocate the buffers with a row per received row, ``rows`` each (symmetric
@@ -256,6 +263,27 @@ class ForwardBuffers:
         """The most rows (each local expert's aligned) a call may bring a rank: the
         receive buffers' rows less the tile of slack (``layout``)."""
         return self.recv.shape[0] - self.tiles.block_m
+
+    def checks_fit(self) -> bool:
+        """Whether a routing can bring a rank more rows than ``capacity_rows``."""
+        return self.recv.shape[0] < self.shape.most_receive_rows(self.tiles)
+
+    def check_record(self, call: int, timeout_s: float, reader: str) -> ReceivedRows | None:
+        """The record of forward ``call`` (``received_rows``), read by ``reader`` (the
+        forward, its backward, or a later forward); raises ``ValueError`` naming a bad
+        expert id it holds (``describe_bad_id``). None if the slot has been rewritten."""
+        if self.unread_forward == call:
+            self.unread_forward = None
+        received = self.received_rows(call, timeout_s)
+        if received is not None and received.bad_id is not None:
+            raise ValueError(describe_bad_id(received.bad_id, self.shape, call, reader))
+        return received
+
+    def check_unread_forward(self, timeout_s: float) -> None:
+        """Read the record of a forward that no backward read (``unread_forward``): raises
+        for a bad id it holds, from the forward after it."""
+        if self.unread_forward is not None:
+            self.check_record(self.unread_forward, timeout_s, "the next forward on these buffers (no backward ran)")
 
     def grow_to_fit(self, call: int, received: ReceivedRows) -> bool:
         """After a forward's first run (``call``, its launches made, and ``received`` its
@@ -410,16 +438,16 @@ def describe_failure(status: list[int], timeout_s: float) -> str | None:
             "ended its CUDA context)")
 
 
-def describe_bad_id(bad: BadExpertId, shape: ForwardShape) -> str:
-    """The message of a call whose layout found an expert id out of range, as this rank
-    (``shape.rank``) raises it."""
+def describe_bad_id(bad: BadExpertId, shape: ForwardShape, call: int, reader: str) -> str:
+    """The message of forward ``call``, whose layout found an expert id out of range, as
+    this rank (``shape.rank``) raises it where ``reader`` read the call's record."""
     token, slot = divmod(bad.slot, shape.top_k)
     owner = "" if bad.rank == shape.rank else f"rank {bad.rank}'s "
     return (f"mega_moe fused forward: {owner}topk_idx holds expert id {bad.value}, outside "
             f"[0, {shape.ep * shape.local_experts}) ({shape.ep} EP ranks x {shape.local_experts} local "
             f"experts), at token {token}, slot {slot}: the router's top-k indices must name experts of "
-            "the EP group. Every rank of the group raises this; no rank sent a row of this call, and "
-            "later calls run normally")
+            f"the EP group. Every rank of the group raises this; no rank sent a row of forward call {call}, "
+            f"whose output is undefined (raised by {reader}), and later calls run normally")
 
 
 def check_call(num_tokens: int, buffers: ForwardBuffers, comm_programs: int, num_programs: int, what: str) -> None:
@@ -545,6 +573,7 @@ def fused_forward(
     num_programs: int,
     timeout_s: float,
     preact: torch.Tensor | None = None,
+    backward_reads_record: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``y [T, H]``, the rows received per local expert (int64), see ``reference``, the
     call's routing (``sort_rows``) and its number on ``buffers`` (``received_rows``), which
@@ -554,11 +583,16 @@ def fused_forward(
     them dispatch before they join GEMM1. ``preact`` (``preact_shape``), when given,
     receives GEMM1's pre-activations of the receive layout's first rows for the backward. With a quantized
     ``buffers.row_format`` the weights are quantized in its weight blocks and ``x`` once
-    per token before the kernels send it (held in bf16: rounded so). Once its launches are
-    made it reads its layout's record (``ForwardBuffers.received_rows``): an expert id out
-    of range in any rank's ``topk_idx`` raises ``ValueError`` naming it, on every rank (the
-    kernels did nothing); a first run whose rows did not fit the receive buffers did
-    nothing, and the second runs on grown buffers (``ForwardBuffers.grow_to_fit``).
+    per token before the kernels send it (held in bf16: rounded so).
+
+    Once its launches are made it reads its layout's record (``ForwardBuffers.check_record``):
+    an expert id out of range in any rank's ``topk_idx`` raises ``ValueError`` naming it,
+    on every rank (the kernels did nothing); a first run whose rows did not fit the receive
+    buffers did nothing, and the second runs on grown buffers (``ForwardBuffers.grow_to_fit``).
+    With ``backward_reads_record`` (autograd will run the call's backward, which reads the
+    record anyway) and buffers that hold any routing's rows, the forward leaves the record
+    to its backward, else to the next forward, and returns without waiting for the device:
+    the host stays ahead of the GPU. The ranks of a group pass it alike.
     """
     shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
     num_tokens, top_k = topk_idx.shape
@@ -596,7 +630,7 @@ def fused_forward(
             ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
             num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
         )
-        rows_gemm_combine(buffers, tiles.gemm2, buffers.h, buffers.h_scales, w2, w2_scales, None, fmt,
+        rows_gemm_combine(buffers, tiles, tiles.gemm2, buffers.h, buffers.h_scales, w2, w2_scales, None, fmt,
                           fmt.row_scale_k, num_programs)
         reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
                scale_by_score=not score_before_experts, score_dot=False)
@@ -604,13 +638,16 @@ def fused_forward(
         return tokens_per_expert
 
     tokens_per_expert = run(first=True)
-    received = buffers.received_rows(buffers.calls, timeout_s)
-    if received is None:
-        raise RuntimeError(f"mega_moe fused forward: call {buffers.calls}'s record was overwritten before it was read")
-    if received.bad_id is not None:
-        raise ValueError(describe_bad_id(received.bad_id, shape))
-    if buffers.grow_to_fit(buffers.calls, received):
-        tokens_per_expert = run(first=False)
+    call = buffers.calls
+    buffers.check_unread_forward(timeout_s)
+    if backward_reads_record and not buffers.checks_fit():
+        buffers.unread_forward = call
+    else:
+        received = buffers.check_record(call, timeout_s, "the forward itself")
+        if received is None:
+            raise RuntimeError(f"mega_moe fused forward: call {call}'s record was overwritten before it was read")
+        if buffers.grow_to_fit(call, received):
+            tokens_per_expert = run(first=False)
     buffers.resident = (buffers.calls, inputs)
     return y, tokens_per_expert, routing, buffers.calls
 
@@ -618,32 +655,30 @@ def fused_forward(
 GLUON_OPERANDS = (torch.bfloat16, torch.float8_e4m3fn)
 """Operand dtypes the Gluon core multiplies (``TileConfig.gemm2_kernel``)."""
 
-_logged_tl_instead: set[tuple[str, torch.dtype]] = set()
 
-
-def rows_gemm_combine(buffers: ForwardBuffers, phase: RowsGemmTiles, a: torch.Tensor, a_scales, w: torch.Tensor,
-                      w_scales, w_rest, fmt: Format, scale_k: int, num_programs: int,
+def rows_gemm_combine(buffers: ForwardBuffers, tiles: TileConfig, phase: RowsGemmTiles, a: torch.Tensor, a_scales,
+                      w: torch.Tensor, w_scales, w_rest, fmt: Format, scale_k: int, num_programs: int,
                       score: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """``a [rows, K] w[e]^T`` for every received row, each pushed to its source rank's combine
     buffer, then COMBINE_READY released to every peer (``gemm2_combine``): GEMM2, and the
     dgrad GEMM with ``score = (parts, score_grad, score_grad_ptrs, parts per row)``, whose
     sums go back too. ``w [local experts, N, K]`` (or, ``w_rest`` given, as stored: see
     ``rows_gemm_combine_kernel``); quantized, ``a`` has a scale per ``scale_k`` columns
-    and ``w`` per weight block of ``fmt``. ``phase`` (``TileConfig.gemm2``, ``.dgrad``)
-    names the implementation and its tiles."""
-    shape, tiles, flags = buffers.shape, buffers.tiles, buffers.flag_layout
+    and ``w`` per weight block of ``fmt``. ``tiles``: the tile row of ``fmt`` (the
+    forward's for GEMM2, the backward's for dgrad), whose ``phase`` (``TileConfig.gemm2``,
+    ``.dgrad``) names the implementation and its tiles; the receive layout's blocks are
+    the buffers' (``buffers.tiles.block_m``)."""
+    shape, flags, block_m = buffers.shape, buffers.flag_layout, buffers.tiles.block_m
     n_dim, k_dim = shape.hidden, a.shape[1]
     parts_tensor, score_grad, score_grad_ptrs, parts = score or (a, buffers.flags, buffers.flag_ptrs, 0)
-    gluon = phase.kernel == "gluon" and a.dtype in GLUON_OPERANDS
-    if phase.kernel == "gluon" and not gluon and (phase.kernel, a.dtype) not in _logged_tl_instead:
-        _logged_tl_instead.add((phase.kernel, a.dtype))
-        logger.info(f"mega_moe fused: a rows GEMM of {a.dtype} operands runs the tl kernel; the Gluon core the "
-                    "tile table names multiplies bf16 or e4m3 operands")
+    if phase.kernel == "gluon" and a.dtype not in GLUON_OPERANDS:
+        raise ValueError(f"the tile row names the Gluon rows GEMM, which multiplies bf16 or e4m3 operands; these "
+                         f"are {a.dtype} (name gemm2_kernel / dgrad_kernel 'tl' in that row)")
     release = dict(SCORE_PARTS=parts, PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready,
-                   LOCAL_PAD=pad(shape.local_experts), BLOCK_M=tiles.block_m)
+                   LOCAL_PAD=pad(shape.local_experts), BLOCK_M=block_m)
     common = (buffers.recv_meta, buffers.flags, buffers.flag_ptrs, buffers.state, buffers.local_base,
               buffers.block_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank)
-    if not gluon:
+    if phase.kernel == "tl":
         launch(rows_gemm_combine_kernel, (num_programs,),
             a, a_scales, w, w_scales, w_rest, common[0], buffers.combine, buffers.combine_ptrs, parts_tensor,
             score_grad, score_grad_ptrs, *common[1:], N=n_dim, K=k_dim, **release, TILE_M=phase.m, BLOCK_N=phase.n,
@@ -658,7 +693,7 @@ def rows_gemm_combine(buffers: ForwardBuffers, phase: RowsGemmTiles, a: torch.Te
         raise ValueError(f"the Gluon rows GEMM takes blockwise fp8 (1 x {FP8_BLOCK} and {FP8_BLOCK} x {FP8_BLOCK} "
                          f"scale blocks); {fmt.name} scales 1 x {scale_k} and {fmt.weight_block}")
     layout = ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
-                          buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], block_m=tiles.block_m,
+                          buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], block_m=block_m,
                           rows=buffers.capacity_rows)
     grouped_gemm(a, w, buffers.combine, layout, GemmTiles(phase.n, phase.k, phase.stages, phase.m // int(MMA_ROWS)),
                  a_scale=a_scales, b_scale=w_scales,

@@ -49,10 +49,11 @@ theirs is ever sent; the layout only has to keep the call from computing a resul
 Each rank publishes its first bad id (BAD_IDS) with its counts; every rank then reads
 the same BAD_IDS, publishes no work, so that the call's kernels pass their barriers and
 store nothing, and writes status BAD_EXPERT_ID with the first bad rank's id and its
-(token, slot) into the call's received-rows record. The forward reads that record on
-the host once its launches are made (``forward.fused_forward``) and raises, naming the
-id, on every rank; the group stays in step, so the next call runs normally. A backward
-routes its forward's rows, which that forward's layout found valid.
+(token, slot) into the call's received-rows record. The host reads that record once
+the forward's launches are made and raises, naming the id, on every rank: the forward
+itself, or, where autograd will run its backward, that backward before it launches past
+its layout, else the next forward (``forward.fused_forward``). The group stays in step,
+so the next call runs normally.
 
 **Failure.** Every wait has a wall-clock deadline (``state[TIMEOUT_NS]``, the settings'
 ``timeout_s``; read from the GPU's global timer). A rank *fails* when a wait passes its

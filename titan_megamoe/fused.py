@@ -21,7 +21,8 @@ A failure on the device (a peer past the deadline: ``kernels.sync``) stops every
 kernels; this module prints its message on stderr as soon as it is recorded and raises it
 at every later call, since the error PyTorch raises for the stopped kernels names
 nothing. An expert id out of range stops nothing: the call's kernels do nothing and its
-forward raises ``ValueError`` naming the id on every rank (``kernels.forward.fused_forward``).
+forward, or its backward, raises ``ValueError`` naming the id on every rank
+(``kernels.forward.fused_forward``).
 """
 
 import atexit
@@ -313,9 +314,10 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
 
 
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,
-                settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+                settings: OperatorSettings, backward_reads_record: bool = False) -> tuple[torch.Tensor, ...]:
     """``(y, tokens per local expert, saved pre-activations, routing, call)``; ``call``:
-    the call's number on its buffers, an int64 scalar in host memory."""
+    the call's number on its buffers, an int64 scalar in host memory.
+    ``backward_reads_record``: autograd will run this call's backward (``fused_forward``)."""
     plan = _plan(x, topk_idx, w1, group, settings)
     buffers = plan.buffers
     preact = x.new_empty(_saved_preact_shape(buffers.shape, buffers.tiles, settings, x.shape[0]))
@@ -327,6 +329,7 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         plan.num_programs,
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
+        backward_reads_record=backward_reads_record,
     )
     return y, tokens_per_expert, preact, routing, torch.tensor(call, dtype=torch.int64)
 

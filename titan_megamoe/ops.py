@@ -38,8 +38,10 @@ Unsupported = Callable[[torch.device, torch.dtype, Precision, bool], str | None]
 class OpImpl:
     """What the custom ops run for one backend.
 
-    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings)
-    -> (y, tokens per local expert, saved, routing, call)``;
+    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings,
+    backward_reads_record) -> (y, tokens per local expert, saved, routing, call)``, where
+    ``backward_reads_record`` says that autograd will run the call's backward (the fused
+    forward then leaves its host-side checks to it, ``fused.moe_forward``);
     ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group,
     score_before_experts, settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved``,
     ``routing`` and ``call`` are what the forward kept for it (GEMM1's pre-activations, or
@@ -75,7 +77,8 @@ def _nothing_saved(x, topk_idx, w1, group, settings) -> tuple[tuple[int, int], t
     return (0, 2 * w1.shape[1]), (0,)
 
 
-def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings):
+def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings,
+                       backward_reads_record):
     y, tokens_per_expert = reference.moe_forward(
         x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
     )
@@ -204,15 +207,16 @@ def moe_forward(
     group_name: str,
     score_before_experts: bool,
     settings: str,
+    backward_reads_record: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     decoded = OperatorSettings.decode(settings)
     return _op(decoded).forward(
-        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded
+        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded, backward_reads_record
     )
 
 
 @moe_forward.register_fake
-def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
+def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings, backward_reads_record):
     decoded = OperatorSettings.decode(settings)
     saved, routing = _op(decoded).saved_shapes(x, topk_idx, w1, _group(group_name), decoded)
     return (torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64), x.new_empty(saved),
@@ -255,9 +259,10 @@ class _MoEFunction(torch.autograd.Function):
     v26)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
+    def forward(ctx, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings,
+                backward_reads_record):
         y, tokens_per_local_expert, saved, routing, call = torch.ops.titan_megamoe.moe_forward(
-            x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings
+            x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings, backward_reads_record
         )
         ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, saved, routing, call)
         ctx.mark_non_differentiable(tokens_per_local_expert)
@@ -270,11 +275,11 @@ class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _d_tokens_per_local_expert):
         if dy is None:  # no gradient reached y (gradients are not materialized): none flows on
-            return (None,) * 9
+            return (None,) * 10
         dx, d_topk_w, dw1, dw2, dw3 = torch.ops.titan_megamoe.moe_backward(
             dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.score_before_experts, ctx.settings
         )
-        return dx, None, d_topk_w, dw1, dw2, dw3, None, None, None
+        return dx, None, d_topk_w, dw1, dw2, dw3, None, None, None, None
 
 
 SAVE_LIST_OPS = (torch.ops.titan_megamoe.moe_forward.default,)
@@ -421,7 +426,9 @@ def mega_moe(
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
 
     An expert id outside ``[0, E)`` raises ``ValueError`` naming it (on the fused backend,
-    on every rank of ``group``).
+    on every rank of ``group``): from the forward, or, where autograd tracks ``y``, from
+    its backward (or the next forward, if no backward runs first), so that the fused
+    forward need not wait for the device.
     """
     check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     ep = 1 if group is None else group.size()
@@ -431,4 +438,6 @@ def mega_moe(
         _check_settings(settings, x, w1, ep)
         encoded = settings.encode()
     group_name = "" if group is None else group.group_name
-    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, encoded)
+    backward_reads_record = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2, w3))
+    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, encoded,
+                              backward_reads_record)

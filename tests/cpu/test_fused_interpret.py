@@ -374,6 +374,54 @@ def test_bad_expert_ids_raise_and_the_next_call_runs(bad_id, monkeypatch):
     run_ranks(_check_bad_expert_ids, 1, bad_id, timeout_s=300)
 
 
+def _check_bad_expert_ids_read_later(rank, world):
+    """Where autograd tracks the output, the forward returns without reading its record
+    (so the host need not wait for the device) and its backward raises for a bad id
+    before computing anything; a forward whose backward never runs is read by the next
+    forward, which raises naming the earlier call. The call after each runs normally, and
+    with no autograd the forward raises itself."""
+    from titan_megamoe import fused, reference
+    from titan_megamoe.ops import mega_moe
+    from titan_megamoe.precision import get_precision
+
+    x, idx, w, w1, w2, w3 = _problem(9, "random", seed=4)
+    settings = _settings()
+    fused.prepare(x, idx, w1, None, settings)
+    buffers = fused._plan(x, idx, w1, None, settings).buffers
+    assert not buffers.checks_fit(), "buffers sized for any routing: the forward may leave its record"
+    expected, _ = reference.moe_forward(x, idx, w, w1, w2, w3, None, False, get_precision("bf16"))
+    bad = idx.clone()
+    bad[6, 1] = -2
+    message = r"topk_idx holds expert id -2, outside \[0, {}\) \(1 EP ranks x {} local experts\), at token 6, slot 1"
+    message = message.format(EXPERTS, EXPERTS)
+    tracked = w1.clone().requires_grad_()
+
+    def call(topk_idx, weight=tracked):
+        return mega_moe(x, topk_idx, w, weight, w2, w3, None, score_before_experts=False, settings=settings)[0]
+
+    y = call(bad)
+    assert buffers.unread_forward == buffers.calls, "the forward read its own record"
+    with pytest.raises(ValueError, match=message + r".*raised by its backward"):
+        y.sum().backward()
+    assert buffers.unread_forward is None and tracked.grad is None
+    assert reference.relative_error(call(idx), expected) < 1e-5, "the call after the backward"
+
+    call(bad)  # no backward: the next forward reads the record
+    first = buffers.calls
+    with pytest.raises(ValueError, match=message + rf".*forward call {first},.*raised by the next forward"):
+        call(idx)
+    assert reference.relative_error(call(idx), expected) < 1e-5, "the call after the next forward"
+
+    with torch.no_grad(), pytest.raises(ValueError, match=message + r".*raised by the forward itself"):
+        call(bad)
+    assert fused.failures() == []
+
+
+def test_bad_expert_ids_raise_from_the_backward_or_the_next_forward(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_check_bad_expert_ids_read_later, 1, timeout_s=300)
+
+
 def _check_bad_expert_ids_between_ranks(rank, world):
     """Two virtual ranks, the peer's side of the count exchange written into rank 0's flag
     buffer by hand (the interpreter runs one kernel at a time, so two ranks' calls cannot

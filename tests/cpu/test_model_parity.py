@@ -6,20 +6,19 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from parity_checks import (
+    assert_checkpoints_load_both_ways,
+    assert_same_state_dict_layout,
+    assert_training_step_matches,
+    full,
+)
 from problems import rel_err
 from ranks import run_ranks
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2
 BATCH, SEQ = 2, 32
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def job_config(layout: str, converters: list[str], param_dtype: str = "float32", backend: str = "reference"):
@@ -94,40 +93,16 @@ def _parity_rank(rank, world_size, layout, score_before, param_dtype, tolerance,
     layers = [m for m in converted.modules() if isinstance(m, MegaMoE)]
     assert len(layers) == 2 and all(m.experts.settings.backend == backend for m in layers)
 
-    # State dict: same keys, shapes and placements both ways.
-    stock_sd, converted_sd = stock.state_dict(), converted.state_dict()
-    assert list(stock_sd) == list(converted_sd), set(stock_sd) ^ set(converted_sd)
-    for key in stock_sd:
-        a, b = stock_sd[key], converted_sd[key]
-        assert a.shape == b.shape, key
-        assert type(a) is type(b), key
-        if isinstance(a, DTensor):
-            assert a.placements == b.placements, key
-            assert a.device_mesh.mesh_dim_names == b.device_mesh.mesh_dim_names, key
+    assert_same_state_dict_layout(stock, converted)
 
-    # Forward, loss and every gradient. With TP the ranks of a TP group see the same
-    # batch; with FSDP each rank has its own.
+    # With TP the ranks of a TP group see the same batch; with FSDP each rank has its own.
     data_rank = rank if layout == "fsdp_ep" else 0
     g = torch.Generator().manual_seed(10 + data_rank)
     tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, 2048, (BATCH, SEQ), generator=g)
-    results = {}
-    for name, model in (("stock", stock), ("converted", converted)):
-        logits = full(model(tokens))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        results[name] = (logits.detach(), loss.detach())
-    assert rel_err(results["converted"][0], results["stock"][0]) < tolerance
-    assert rel_err(results["converted"][1], results["stock"][1]) < tolerance
-
-    stock_params = dict(stock.named_parameters())
-    checked = 0
-    for name, p in converted.named_parameters():
-        g_conv, g_stock = full(p.grad), full(stock_params[name].grad)
-        assert g_stock.abs().max() > 0, f"{name} got no gradient in the stock model"
-        assert rel_err(g_conv, g_stock) < tolerance, name
-        checked += "experts" in name or "router" in name
-    assert checked == 2 * 4  # w1, w2, w3 and the router gate of both layers
+    compared = assert_training_step_matches(stock, converted, tokens, labels, tolerance)
+    # w1, w2, w3 and the router gate of both layers
+    assert sum("experts" in name or "router" in name for name in compared) == 2 * 4
 
     stock_buffers = dict(stock.named_buffers())
     for name, b in converted.named_buffers():
@@ -135,26 +110,7 @@ def _parity_rank(rank, world_size, layout, score_before, param_dtype, tolerance,
             assert b.sum() == BATCH * SEQ * 8  # every routed slot (top-8) counted once
             assert torch.equal(b, stock_buffers[name]), name
 
-    # Checkpoints: stock -> converted, then converted -> stock.
-    originals = {k: full(v).clone() for k, v in stock.state_dict().items()}
-    dcp.save(stock.state_dict(), checkpoint_id=f"{checkpoint_dir}/stock")
-    with torch.no_grad():
-        for p in converted.parameters():
-            p.add_(1.0)
-    converted_sd = converted.state_dict()
-    dcp.load(converted_sd, checkpoint_id=f"{checkpoint_dir}/stock")
-    for key, value in converted.state_dict().items():
-        assert torch.equal(full(value), originals[key]), key
-
-    with torch.no_grad():
-        for p in converted.parameters():
-            p.mul_(0.5)
-    dcp.save(converted.state_dict(), checkpoint_id=f"{checkpoint_dir}/converted")
-    stock_sd = stock.state_dict()
-    dcp.load(stock_sd, checkpoint_id=f"{checkpoint_dir}/converted")
-    converted_now = {k: full(v) for k, v in converted.state_dict().items()}
-    for key, value in stock.state_dict().items():
-        assert torch.equal(full(value), converted_now[key]), key
+    assert_checkpoints_load_both_ways(stock, converted, checkpoint_dir)
 
 
 @pytest.mark.parametrize(

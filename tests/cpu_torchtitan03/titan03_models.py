@@ -112,7 +112,3 @@ def build(spec: ModelSpec, config: Trainer.Config, world_size: int, state: dict 
         model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder,
     )
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -250,6 +250,17 @@ def _check_bad_expert_ids(rank: int, world: int, precision: str):
             print(f"{precision} id {bad_id} at [{token}, {slot}]: raised; the next call {err:.1e} from the reference",
                   flush=True)
             assert err < BF16_TOLERANCE, (bad_id, token, err)
+    # Tracked by autograd, the forward returns without waiting for the device and the
+    # backward raises, before any kernel past its layout; the call after it runs.
+    tracked = w1.clone().requires_grad_()
+    bad = idx.clone()
+    bad[last, 0] = EXPERTS
+    y = mega_moe(x, bad, w, tracked, w2, w3, None, score_before_experts=False, settings=fused_settings)[0]
+    with pytest.raises(ValueError, match=rf"expert id {EXPERTS}, outside .*, at token {last}, slot 0.*its backward"):
+        y.float().sum().backward()
+    torch.cuda.synchronize()
+    assert fused.failures() == [] and tracked.grad is None
+    assert relative_error(call(idx), expected) < BF16_TOLERANCE, "the call after the backward"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
