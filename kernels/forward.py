@@ -279,12 +279,6 @@ class ForwardBuffers:
             raise ValueError(describe_bad_id(received.bad_id, self.shape, call, reader))
         return received
 
-    def check_unread_forward(self, timeout_s: float) -> None:
-        """Read the record of a forward that no backward read (``unread_forward``): raises
-        for a bad id it holds, from the forward after it."""
-        if self.unread_forward is not None:
-            self.check_record(self.unread_forward, timeout_s, "the next forward on these buffers (no backward ran)")
-
     def grow_to_fit(self, call: int, received: ReceivedRows) -> bool:
         """After a forward's first run (``call``, its launches made, and ``received`` its
         record, ``received_rows``): where the most rows any rank of the group receives did
@@ -639,16 +633,19 @@ def fused_forward(
 
     tokens_per_expert = run(first=True)
     call = buffers.calls
-    buffers.check_unread_forward(timeout_s)
-    if backward_reads_record and not buffers.checks_fit():
-        buffers.unread_forward = call
-    else:
+    deferred = backward_reads_record and not buffers.checks_fit()
+    if not deferred:
         received = buffers.check_record(call, timeout_s, "the forward itself")
         if received is None:
             raise RuntimeError(f"mega_moe fused forward: call {call}'s record was overwritten before it was read")
         if buffers.grow_to_fit(call, received):
             tokens_per_expert = run(first=False)
     buffers.resident = (buffers.calls, inputs)
+    # An earlier forward's record that no backward read: read last, so that a raise here
+    # leaves the buffers' state that of this call, which every rank ran.
+    earlier, buffers.unread_forward = buffers.unread_forward, call if deferred else None
+    if earlier is not None:
+        buffers.check_record(earlier, timeout_s, "the next forward on these buffers (no backward ran)")
     return y, tokens_per_expert, routing, buffers.calls
 
 
