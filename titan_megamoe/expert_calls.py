@@ -4,10 +4,10 @@ the layer's local weights: what the TorchTitan adapters' layers share.
 The converter resolved the backend for the dtype it expected the experts to compute in;
 a call can bring another (autocast keeps float32 parameters, a job without FSDP), and
 the device and the experts' sizes are facts of the call. :class:`CallPlans` decides,
-once per (device, dtypes), whether the fused backend runs the call on copies of another
-dtype (``fused_support.operand_cast``), or, where it cannot run it at all, whether the
-layer runs ``stock`` instead (where the adapter allows it: TorchTitan 0.2.2 when
-``auto`` chose the backend; logged once per job) or raises.
+once per (device, dtypes), whether the fused backend runs the call on copies of its
+tokens (and weights) in another dtype (``fused_support.operand_cast``), or, where it
+cannot run it at all, whether the layer runs ``stock`` instead (where the adapter allows
+it: TorchTitan 0.2.2 when ``auto`` chose the backend; logged once per job) or raises.
 
 Needs no TorchTitan.
 """
@@ -24,12 +24,12 @@ logger = logging.getLogger(__name__)
 
 _logged_fallbacks: set[tuple[torch.dtype, str]] = set()
 """(dtype, reason) of each fallback to ``stock`` already logged: one line per job, not per layer."""
-_logged_casts: set[tuple[torch.dtype, torch.dtype]] = set()
-"""(experts' dtype, cast) of each operand cast already logged."""
+_logged_casts: set[tuple[torch.dtype, fused_support.OperandCasts]] = set()
+"""(experts' dtype, casts) of each operand cast already logged."""
 
-CallPlan = tuple[OperatorSettings, torch.dtype | None]
-"""The settings a call runs with, and the dtype the fused backend takes copies of the
-tokens and weights in (or None)."""
+CallPlan = tuple[OperatorSettings, fused_support.OperandCasts | None]
+"""The settings a call runs with, and the copies of the tokens and weights the fused
+backend takes (or None)."""
 
 
 class RouterScores:
@@ -81,16 +81,15 @@ class CallPlans:
         computes = torch.float32 if torch.float32 in (dtype, weight_dtype) else dtype
         cast = fused_support.operand_cast(device, computes, settings.precision)
         if cast is None and dtype != weight_dtype:
-            cast = computes
+            cast = fused_support.OperandCasts(computes, computes)
         # The converter checked the EP group; the device, dtype and shapes are new here.
-        reason = (fused_support.unsupported_reason(device, cast or dtype, settings.precision, True)
+        reason = (fused_support.unsupported_reason(device, cast.tokens if cast else dtype, settings.precision, True)
                   or fused_support.shape_unsupported_reason(settings.precision, intermediate_size))
         if reason is None:
             if cast is not None and (computes, cast) not in _logged_casts:
                 _logged_casts.add((computes, cast))
-                logger.info(f"mega_moe: experts computing in {computes} run on the fused backend with {cast} "
-                            "copies of their tokens and weights, as TorchTitan's grouped-MM path runs its GEMMs; "
-                            "the output is cast back to the tokens' dtype")
+                logger.info(f"mega_moe: experts computing in {computes} run on the fused backend: "
+                            f"{cast.describe(computes)}; the output is cast back to the tokens' dtype")
             return settings, cast
         if not self.stock_fallback:
             raise NotImplementedError(
@@ -114,7 +113,9 @@ def run_operator(x: torch.Tensor, topk_idx: torch.Tensor, scores: torch.Tensor, 
     settings, cast = plan
     tokens = x
     if cast is not None:
-        tokens, w1, w2, w3 = (t.to(cast) for t in (x, w1, w2, w3))
+        tokens = x.to(cast.tokens)
+        if cast.weights is not None:
+            w1, w2, w3 = (w.to(cast.weights) for w in (w1, w2, w3))
     y, _tokens_per_local_expert = mega_moe(
         tokens, topk_idx, scores, w1, w2, w3, group, score_before_experts=score_before_experts, settings=settings,
     )

@@ -73,8 +73,9 @@ def _tiles(device: torch.device, fmt: Format) -> TileConfig:
     return tile_config(target, fmt.name)
 
 
-def _check_runs(x: torch.Tensor, settings: OperatorSettings) -> None:
-    reason = fused_support.unsupported_reason(x.device, x.dtype, settings.precision, ep_within_node=True)
+def _check_runs(x: torch.Tensor, w1: torch.Tensor, settings: OperatorSettings) -> None:
+    reason = (fused_support.unsupported_reason(x.device, x.dtype, settings.precision, ep_within_node=True)
+              or fused_support.weights_unsupported_reason(x.dtype, w1.dtype, settings.precision))
     if reason:
         raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
 
@@ -296,6 +297,7 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
         None if group is None else (group.group_name, group.rank()),
         x.device,
         x.dtype,
+        w1.dtype,
         x.shape[1],
         0 if settings.capacity_tokens_per_rank else x.shape[0],
         topk_idx.shape[1],
@@ -303,7 +305,7 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
     )
     plan = _PLANS.get(key)
     if plan is None:
-        _check_runs(x, settings)
+        _check_runs(x, w1, settings)
         reason = fused_support.shape_unsupported_reason(settings.precision, w1.shape[1])
         if reason:
             raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
@@ -339,9 +341,10 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routi
                  settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved``, ``routing`` and ``call`` as the forward
     returned them. The backward consumes ``saved``; a second backward over the same graph
-    (``retain_graph``) recomputes GEMM1 instead."""
+    (``retain_graph``) recomputes GEMM1 instead. The kernels compute the weight gradients
+    in the activations' dtype: float32 weights get them cast, as their own copies' would be."""
     plan = _plan(x, topk_idx, w1, group, settings)
-    return fused_backward(
+    dx, d_topk_w, dw1, dw2, dw3 = fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 and not preact_released(saved) else None,
         routing,
@@ -353,3 +356,4 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routi
         plan.num_programs,
         settings.timeout_s,
     )
+    return dx, d_topk_w, *(dw.to(w.dtype) for dw, w in ((dw1, w1), (dw2, w2), (dw3, w3)))

@@ -8,11 +8,12 @@ for experts whose intermediate size holds whole scale blocks (``shape_unsupporte
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from titan_megamoe.kernels.configs import INTERPRET, TILE_CONFIGS, arch_of
-from titan_megamoe.precision import NATIVE, Precision
+from titan_megamoe.precision import NATIVE, PRECISIONS, Precision
 
 SERVED_DTYPES = {
     "sm90": (torch.bfloat16,),
@@ -115,18 +116,61 @@ def unsupported_reason(
     return None
 
 
-def operand_cast(device: torch.device, dtype: torch.dtype, precision: Precision) -> torch.dtype | None:
-    """The dtype a layer casts the tokens and weights of experts computing in ``dtype`` to
-    before the fused kernels, or None (no cast): bf16 for float32 experts in precision
-    bf16, where the kernels take bf16 but not float32. TorchTitan's grouped-MM path runs
-    its GEMMs on such bf16 copies too, whatever the parameters' dtype (single-device and
-    DDP jobs keep float32 parameters); the layer casts the output back."""
+def reads_weights_quantized(precision: Precision) -> bool:
+    """Whether every fused GEMM that reads the expert weights (GEMM1 and GEMM2 in the
+    forward's format, the backward's in its dgrad format) reads them quantized: the
+    kernels then quantize the weights from whatever float dtype they are stored in, so
+    float32 weights need no bf16 copy (their weight gradients come back in float32)."""
+    return precision.forward.quantized and precision.dgrad.quantized
+
+
+@dataclass(frozen=True)
+class OperandCasts:
+    """The copies a layer hands the fused kernels of experts computing in a dtype the
+    kernels do not take: its tokens in ``tokens``, its weights in ``weights``, or, where
+    ``weights`` is None, the weights as stored (``reads_weights_quantized``)."""
+
+    tokens: torch.dtype
+    weights: torch.dtype | None
+
+    def describe(self, computes: torch.dtype) -> str:
+        """How the kernels take the operands, for the log."""
+        if self.weights is None:
+            return (f"the fused kernels take {self.tokens} copies of their tokens, as TorchTitan's grouped-MM "
+                    f"path does, and quantize the {computes} weights themselves")
+        return (f"the fused kernels take {self.tokens} copies of their tokens and weights, as TorchTitan's "
+                "grouped-MM path does")
+
+
+def operand_cast(device: torch.device, dtype: torch.dtype, precision: Precision) -> OperandCasts | None:
+    """The copies a layer makes of the tokens and weights of experts computing in
+    ``dtype`` before the fused kernels, or None (none): for float32 experts, where the
+    kernels take bf16 but not float32, bf16 tokens, and bf16 weights unless the precision
+    reads them only quantized (``reads_weights_quantized``: the kernels quantize the
+    float32 weights). TorchTitan's grouped-MM path runs its GEMMs on bf16 copies too,
+    whatever the parameters' dtype (single-device and DDP jobs keep float32 parameters);
+    the layer casts the output back."""
     target, _ = arch(device)
-    if target is None or dtype in SERVED_DTYPES[target] or precision.quantized:
+    if target is None or dtype in SERVED_DTYPES[target]:
         return None
     if dtype == torch.float32 and torch.bfloat16 in SERVED_DTYPES[target]:
-        return torch.bfloat16
+        return OperandCasts(torch.bfloat16, None if reads_weights_quantized(precision) else torch.bfloat16)
     return None
+
+
+def weights_unsupported_reason(dtype: torch.dtype, weight_dtype: torch.dtype, precision: Precision) -> str | None:
+    """Why the fused kernels cannot take weights of ``weight_dtype`` with activations of
+    ``dtype`` in ``precision``, or None: weights in the activations' dtype, or float32
+    weights that every GEMM reads quantized (``reads_weights_quantized``)."""
+    if weight_dtype == dtype or (weight_dtype == torch.float32 and reads_weights_quantized(precision)):
+        return None
+    return (f"{str(weight_dtype).removeprefix('torch.')} weights with {str(dtype).removeprefix('torch.')} tokens "
+            f"in precision {precision.name!r}: its kernels take weights in the tokens' dtype, or float32 weights "
+            f"where every GEMM reads them quantized ({', '.join(_QUANTIZED_WEIGHT_READS)})")
+
+
+_QUANTIZED_WEIGHT_READS = tuple(name for name, p in PRECISIONS.items() if reads_weights_quantized(p))
+"""The precisions that take float32 weights with bf16 tokens."""
 
 
 def runs_fp8_mma(target: str, precision: Precision) -> bool:

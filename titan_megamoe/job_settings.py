@@ -98,11 +98,11 @@ def resolve(section: MegaMoE, auto_precision: Callable[[], tuple[str, str]], fac
     dtype = facts.expert_dtype
     cast = (fused_support.operand_cast(facts.device, dtype, precision)
             if section.backend in ("auto", "fused") else None)
-    backend, why = resolve_backend(section.backend, facts.device, cast or dtype, precision, facts.ep_within_node)
+    backend, why = resolve_backend(section.backend, facts.device, cast.tokens if cast else dtype, precision,
+                                   facts.ep_within_node)
     computes = str(dtype)
     if cast is not None and backend == "fused":
-        computes += (f"; the fused kernels take {cast} copies of their tokens and weights, as "
-                     "TorchTitan's grouped-MM path does")
+        computes += f"; {cast.describe(dtype)}"
     settings = OperatorSettings(
         precision=precision,
         backend=backend,

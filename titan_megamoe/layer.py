@@ -57,8 +57,8 @@ class MegaExperts(GroupedExperts):
                                 advice=f"set {section} backend = 'auto' to run them on 'stock' instead")
 
     def _settings_for(self, x: torch.Tensor, weight_dtype: torch.dtype) -> CallPlan:
-        """The settings a call with ``x`` runs with, and the dtype the fused backend takes
-        copies of the tokens and weights in (``fused_support.operand_cast``) or None."""
+        """The settings a call with ``x`` runs with, and the copies of the tokens and weights
+        the fused backend takes (``fused_support.operand_cast``) or None."""
         return self._plans.plan(x, weight_dtype, self.w1.shape[1])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: RouterScores) -> torch.Tensor:

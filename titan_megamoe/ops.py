@@ -309,17 +309,24 @@ def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
     for name, w, shape in (("w3", w3, (experts, inter, hidden)), ("w2", w2, (experts, hidden, inter))):
         if w.shape != shape:
             raise ValueError(f"{name} must have shape {shape}; got {tuple(w.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor; got {x.dtype}")
+    if len({w.dtype for w in (w1, w2, w3)}) != 1 or w1.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"w1, w2 and w3 must share one dtype, x's ({x.dtype}) or float32 (master weights that "
+                         f"the kernels quantize); got {w1.dtype}, {w2.dtype} and {w3.dtype}")
     if len({t.device for t in (x, topk_idx, topk_w, w1, w2, w3)}) != 1:
         raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
 
 
 def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision: Precision,
-                             intermediate_size: int) -> tuple[str, str]:
+                             intermediate_size: int, weight_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The operator backend that ``backend="auto"`` runs experts of ``intermediate_size``
-    computing in ``dtype`` and ``precision`` with on ``device``, and why: ``fused`` where
-    it can run, else ``reference``, which runs on any device (``stock`` is not this
-    operator: a MoE layer calls it instead, ``resolve_backend``)."""
+    computing in ``dtype`` (weights in ``weight_dtype``, default ``dtype``) and
+    ``precision`` with on ``device``, and why: ``fused`` where it can run, else
+    ``reference``, which runs on any device (``stock`` is not this operator: a MoE layer
+    calls it instead, ``resolve_backend``)."""
     reason = (BACKENDS["fused"].unsupported(device, dtype, precision, True)
+              or fused_support.weights_unsupported_reason(dtype, weight_dtype or dtype, precision)
               or fused_support.shape_unsupported_reason(precision, intermediate_size))
     if reason is None:
         return "fused", "the fused kernels run here"
@@ -329,22 +336,23 @@ def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision
 
 _AUTO_SETTINGS: dict[tuple, str] = {}
 """Encoded settings with ``backend="auto"`` -> encoded resolved settings, by the inputs'
-device, dtype, intermediate size and EP size."""
+device, dtypes, intermediate size and EP size."""
 _logged_auto: set[tuple[str, str]] = set()
 """(backend, why) of each ``auto`` resolution already logged."""
 
 
 @torch.compiler.assume_constant_result
-def _resolve_auto(encoded: str, device: torch.device, dtype: torch.dtype, intermediate_size: int, ep: int) -> str:
+def _resolve_auto(encoded: str, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
+                  intermediate_size: int, ep: int) -> str:
     """``encoded`` settings (backend ``auto``) with the backend ``resolve_operator_backend``
     picks, encoded; checked as ``_check_settings`` checks a named backend and logged once.
     A constant to ``torch.compile`` (a string: it cannot trace the lookup), like the
     settings string it replaces."""
-    key = (encoded, device, dtype, intermediate_size, ep)
+    key = (encoded, device, dtype, weight_dtype, intermediate_size, ep)
     resolved = _AUTO_SETTINGS.get(key)
     if resolved is None:
         settings = OperatorSettings.decode(encoded)
-        name, why = resolve_operator_backend(device, dtype, settings.precision, intermediate_size)
+        name, why = resolve_operator_backend(device, dtype, settings.precision, intermediate_size, weight_dtype)
         _check_capacity(name, settings, ep)
         if (name, why) not in _logged_auto:
             _logged_auto.add((name, why))
@@ -357,7 +365,7 @@ def _resolve_auto(encoded: str, device: torch.device, dtype: torch.dtype, interm
 
 def _what_auto_runs(x: Tensor, w1: Tensor, settings: OperatorSettings) -> str:
     """What to pass instead of a backend that cannot run here: ``auto`` and what it picks."""
-    name, _ = resolve_operator_backend(x.device, x.dtype, settings.precision, w1.shape[1])
+    name, _ = resolve_operator_backend(x.device, x.dtype, settings.precision, w1.shape[1], w1.dtype)
     return f"pass backend='auto' (here it runs {name!r})"
 
 
@@ -389,7 +397,8 @@ def _check_settings(settings: OperatorSettings, x: Tensor, w1: Tensor, ep: int) 
     # Whether the EP group spans nodes is the caller's to check (the converter does).
     reason = backend.unsupported(x.device, x.dtype, settings.precision, True)
     if name == "fused":
-        reason = reason or fused_support.shape_unsupported_reason(settings.precision, w1.shape[1])
+        reason = (reason or fused_support.weights_unsupported_reason(x.dtype, w1.dtype, settings.precision)
+                  or fused_support.shape_unsupported_reason(settings.precision, w1.shape[1]))
     if reason is not None:
         raise NotImplementedError(
             f"settings.backend = {name!r} cannot run here: {reason}; {_what_auto_runs(x, w1, settings)}")
@@ -433,7 +442,7 @@ def mega_moe(
     check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     ep = 1 if group is None else group.size()
     if settings.backend == "auto":
-        encoded = _resolve_auto(settings.encode(), x.device, x.dtype, w1.shape[1], ep)
+        encoded = _resolve_auto(settings.encode(), x.device, x.dtype, w1.dtype, w1.shape[1], ep)
     else:
         _check_settings(settings, x, w1, ep)
         encoded = settings.encode()

@@ -157,7 +157,8 @@ def _fused_checked_by(check, monkeypatch):
     [("bfloat16", 2, "bf16", "fused"),
      ("float32", 2, "bf16", "fused (bf16 copies)"),
      ("bfloat16", 1, "bf16", "fused (bf16 copies)"),  # 1: no FSDP, AMP keeps the weights in fp32
-     ("float32", 2, "fp8", "stock"),  # quantized from fp32: no bf16 copies
+     ("float32", 2, "fp8", "fused (bf16 token copies)"),  # the kernels quantize the fp32 weights
+     ("float32", 2, "fp8_bwd", "fused (bf16 copies)"),  # its forward multiplies bf16 weights
      ("bfloat16", 2, "fp8", "fused")],
 )
 def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shard, precision, expected, monkeypatch,
@@ -172,16 +173,25 @@ def test_auto_resolves_for_the_dtype_the_experts_compute_in(param_dtype, dp_shar
         converter = MegaMoEConverter(job, dims)
     assert converter.settings.backend == expected.split()[0] and converter.auto_backend
     (line,) = [r.message for r in caplog.records if "routed experts run" in r.message]
-    if expected == "stock":
-        assert "backend 'stock' (auto; skipped fused: test: no torch.float32 kernels" in line
     copies = "experts compute in torch.float32; the fused kernels take torch.bfloat16 copies of their tokens and weights"
     assert (copies in line) == expected.endswith("(bf16 copies)"), line
+    token_copies = ("experts compute in torch.float32; the fused kernels take torch.bfloat16 copies of their tokens, "
+                    "as TorchTitan's grouped-MM path does, and quantize the torch.float32 weights themselves")
+    assert (token_copies in line) == expected.endswith("(bf16 token copies)"), line
 
 
-def test_float32_experts_run_fused_on_bf16_copies(monkeypatch, caplog):
+@pytest.mark.parametrize("precision, weight_dtype, log, out_tolerance, grad_tolerance",
+                         [("bf16", torch.bfloat16, "take torch.bfloat16 copies of their tokens and weights",
+                           2e-2, 3e-2),
+                          ("fp8", torch.float32, "take torch.bfloat16 copies of their tokens, as TorchTitan's "
+                                                 "grouped-MM path does, and quantize the torch.float32 weights",
+                           5e-2, 1.5e-1)])
+def test_float32_experts_run_fused_on_bf16_copies(precision, weight_dtype, log, out_tolerance, grad_tolerance,
+                                                  monkeypatch, caplog):
     """As TorchTitan's grouped-MM path, which casts tokens and weights to bf16 whatever the
-    parameters' dtype: the operator gets bf16 copies, and gradients reach the fp32
-    parameters through the casts."""
+    parameters' dtype: the operator gets bf16 copies of the tokens, and of the weights
+    unless every GEMM reads them quantized (fp8: the kernels quantize the fp32 weights);
+    gradients reach the fp32 parameters (through the casts)."""
     import titan_megamoe.expert_calls as expert_calls
 
     _fused_checked_by(_fused_runs_bf16_only, monkeypatch)
@@ -197,7 +207,7 @@ def test_float32_experts_run_fused_on_bf16_copies(monkeypatch, caplog):
     monkeypatch.setattr(expert_calls, "_logged_casts", set())
     original = debug_model("qwen3")  # fp32
     converted = debug_model("qwen3", state=original.state_dict())
-    converter = MegaMoEConverter(parse(), None)
+    converter = MegaMoEConverter(parse(f"--mega_moe.precision={precision}"), None)
     assert converter.settings.backend == "fused"
     converter.convert(converted)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -205,17 +215,17 @@ def test_float32_experts_run_fused_on_bf16_copies(monkeypatch, caplog):
         out = converted(tokens)
     out_stock = original(tokens)
     assert out.dtype == torch.float32
-    assert seen == [("fused", torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16)] * 2  # 2 layers
-    casts = [r.message for r in caplog.records if "run on the fused backend with torch.bfloat16 copies" in r.message]
+    assert seen == [("fused", torch.bfloat16, weight_dtype, weight_dtype, weight_dtype)] * 2  # 2 layers
+    casts = [r.message for r in caplog.records if "run on the fused backend: the fused kernels " + log in r.message]
     assert len(casts) == 1 and "experts computing in torch.float32" in casts[0]
-    # bf16 GEMMs against stock's fp32 loop on the CPU.
-    assert 0 < rel_err(out, out_stock) < 2e-2
+    # bf16 (or fp8) GEMMs against stock's fp32 loop on the CPU.
+    assert 0 < rel_err(out, out_stock) < out_tolerance
     out.square().mean().backward()
     out_stock.square().mean().backward()
     stock_params = dict(original.named_parameters())
     for name, p in converted.named_parameters():
         if "experts.w" in name:
-            assert p.grad.dtype == torch.float32 and rel_err(p.grad, stock_params[name].grad) < 3e-2, name
+            assert p.grad.dtype == torch.float32 and rel_err(p.grad, stock_params[name].grad) < grad_tolerance, name
 
 
 @pytest.mark.parametrize("auto", [True, False])

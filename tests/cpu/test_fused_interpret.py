@@ -685,3 +685,72 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 def test_quantized_matches_reference(precision, tile_changes, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_quantized_matches_reference, 2, precision, tile_changes, timeout_s=900)
+
+
+def _float32_weights_match_reference(rank, world):
+    """bf16 tokens with float32 weights, as a layer of float32 experts hands them over in
+    a precision that reads the weights only quantized: every weight reaches the quantizers
+    in float32 (no bf16 copy rounds it first), the weight gradients come back float32, and
+    the outputs match the reference on the same inputs as closely as the same call on bf16
+    weights does (the interpreter rounds to bf16 by truncation: 1-3e-2 either way). A
+    precision with a bf16 weight GEMM refuses them, and ``auto`` then runs the reference."""
+    import dataclasses
+
+    from titan_megamoe import fused, ops, reference
+    from titan_megamoe.kernels import backward, configs, forward
+    from titan_megamoe.precision import get_precision
+
+    hidden, inter, experts, top_k, num_tokens = 256, 256, 4, 2, 24
+    precision, tile_changes = [("fp8", {}), ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32,
+                                                       "row_align": 32})][rank]
+    spec = get_precision(precision)
+    row = ("interpret", spec.forward.name)
+    configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], **tile_changes)
+    quantized = []
+    for module, name in ((forward, "quantize_weights"), (backward, "quantize_weights"),
+                         (backward, "quantize_transposed")):
+        def spy(weights, *args, _real=getattr(module, name), **kwargs):
+            quantized.extend(w.dtype for w in weights)
+            return _real(weights, *args, **kwargs)
+        setattr(module, name, spy)
+    g = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    idx = torch.rand(num_tokens, experts, generator=g).topk(top_k, dim=1).indices
+    w = torch.softmax(torch.randn(num_tokens, top_k, generator=g), dim=1)
+    w1, w3 = (torch.randn(experts, inter, hidden, generator=g) / hidden**0.5 for _ in range(2))
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    dy = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    settings = _settings(precision=precision, save_gemm1=True, capacity_tokens_per_rank=160)
+    errors = {}
+    for weights in ("float32", "bf16 copies"):
+        ws = (w1, w2, w3) if weights == "float32" else tuple(t.to(torch.bfloat16) for t in (w1, w2, w3))
+        poison_fused_buffers()
+        quantized.clear()
+        y, counts, *kept = fused.moe_forward(x, idx, w, *ws, None, False, settings)
+        grads = fused.moe_backward(dy, x, idx, w, *ws, *kept, None, False, settings)
+        assert set(quantized) == {ws[0].dtype} and len(quantized) >= 5, (weights, quantized)  # forward 3, dgrad 2
+        y_ref, _ = reference.moe_forward(x, idx, w, *ws, None, False, spec)
+        grads_ref = reference.moe_backward(dy, x, idx, w, *ws, None, False, spec, True)
+        assert y.dtype == torch.bfloat16 and [t.dtype for t in grads[2:]] == [ws[0].dtype] * 3
+        for name, got, want in zip(("y",) + GRADIENTS, (y,) + grads, (y_ref,) + grads_ref):
+            assert torch.isfinite(got).all(), (precision, weights, name)
+            errors[weights, name] = reference.relative_error(got, want)
+    for name in ("y",) + GRADIENTS:
+        err, bf16_err = errors["float32", name], errors["bf16 copies", name]
+        print(f"{precision} {name}: float32 weights {err:.1e}, bf16 copies {bf16_err:.1e}", flush=True)
+        assert err < 4e-2 and err < 1.5 * bf16_err + 1e-3, (precision, name, err, bf16_err)
+
+    bf16_weights = settings.replace(precision="fp8_bwd")  # its forward multiplies the weights in bf16
+    with pytest.raises(NotImplementedError, match=r"float32 weights with bfloat16 tokens in precision 'fp8_bwd'"):
+        ops.mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False, settings=bf16_weights)
+    y_auto, _ = ops.mega_moe(x, idx, w, w1, w2, w3, None, score_before_experts=False,
+                             settings=bf16_weights.replace(backend="auto"))
+    y_spec, _ = reference.moe_forward(x, idx, w, w1, w2, w3, None, False, get_precision("fp8_bwd"))
+    assert torch.equal(y_auto, y_spec)
+    with pytest.raises(ValueError, match=r"w1, w2 and w3 must share one dtype, x's \(torch.bfloat16\) or float32"):
+        ops.mega_moe(x, idx, w, w1.half(), w2.half(), w3.half(), None, score_before_experts=False, settings=settings)
+
+
+def test_float32_weights_with_bf16_tokens_quantize_from_float32(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_float32_weights_match_reference, 2, timeout_s=900)

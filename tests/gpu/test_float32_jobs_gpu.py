@@ -1,10 +1,12 @@
 """Jobs whose experts compute in float32 (one GPU, or DDP: TorchTitan then keeps the
 parameters in float32): ``auto`` runs the fused backend on bf16 copies of the tokens and
-weights, as TorchTitan's grouped-MM path runs its GEMMs. On one GPU, qwen3
+weights, as TorchTitan's grouped-MM path runs its GEMMs, or, in fp8, on bf16 copies of
+the tokens with the kernels quantizing the float32 weights. On one GPU, qwen3
 ``debugmodel_moe`` (2 layers) in float32, converted on one device: the fused layers'
 loss and every parameter's gradient (expert weights: every expert's own) against float32
-truth (the reference backend, unquantized) must be as close as the same model's stock
-layers are (bf16 GEMMs too), within a factor of two."""
+truth (the reference backend, unquantized) must be as close as a baseline's, within a
+factor of two: in bf16 the same model's stock layers (bf16 GEMMs too), in fp8 the
+reference backend in fp8 on the float32 tokens and weights."""
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ TOLERANCE = 1e-2
 """Below this, an error against float32 passes whatever the stock layers'."""
 
 
-def _model(backend: str, state: dict | None):
+def _model(backend: str, precision: str, state: dict | None):
     from torchtitan.config import ConfigManager
 
     from titan_megamoe.converter import MegaMoEConverter
@@ -28,7 +30,7 @@ def _model(backend: str, state: dict | None):
         "--job.custom_config_module=titan_megamoe.config",
         "--model.name=qwen3", "--model.flavor=debugmodel_moe", "--model.converters", "mega_moe",
         f"--training.seq_len={SEQ}", f"--training.local_batch_size={BATCH}",
-        f"--mega_moe.backend={backend}", "--mega_moe.save_gemm1",
+        f"--mega_moe.backend={backend}", f"--mega_moe.precision={precision}", "--mega_moe.save_gemm1",
     ])
     model = qwen3_debug_model(2, SEQ, state, "cuda")
     converter = MegaMoEConverter(job, None)
@@ -36,31 +38,32 @@ def _model(backend: str, state: dict | None):
     return model, converter.settings.backend
 
 
-def test_float32_experts_run_fused_on_bf16_copies():
+@pytest.mark.parametrize("precision, baseline", [("bf16", ("stock", "bf16")), ("fp8", ("reference", "fp8"))])
+def test_float32_experts_run_fused(precision, baseline):
     from titan_megamoe.reference import relative_error
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=g).cuda()
     labels = torch.randint(0, 2048, (BATCH, SEQ), generator=g).cuda()
     results, state = {}, None
-    for run in ("reference", "stock", "auto"):
-        model, backend = _model(run, state)
+    for run in (("reference", "bf16"), baseline, ("auto", precision)):
+        model, backend = _model(*run, state)
         if state is None:
             state = {k: v.clone() for k, v in model.state_dict().items()}
         assert next(model.parameters()).dtype == torch.float32
         loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
         loss.backward()
         results[run] = (backend, loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    (_, true_loss, truth), (_, stock_loss, stock_grads), (backend, loss, grads) = results.values()
+    (_, true_loss, truth), (_, base_loss, base_grads), (backend, loss, grads) = results.values()
     assert backend == "fused"
     for name, expected in truth.items():
         assert expected.abs().max() > 0, f"{name} got no gradient"
         assert grads[name].dtype == torch.float32, name
-    stock_errors, errors = gradient_errors(stock_grads, truth), gradient_errors(grads, truth)
-    worst = max((errors[n] / max(TOLERANCE, 2 * stock_errors[n]), n) for n in truth)
-    print(f"loss fused {loss.item():.6f}, stock {stock_loss.item():.6f}, fp32 {true_loss.item():.6f}; worst "
-          f"gradient against its bound {worst[0]:.2f} ({worst[1]}: fused {errors[worst[1]]:.1e}, stock "
-          f"{stock_errors[worst[1]]:.1e})")
-    assert relative_error(loss, true_loss) <= max(TOLERANCE, 2 * relative_error(stock_loss, true_loss))
+    base_errors, errors = gradient_errors(base_grads, truth), gradient_errors(grads, truth)
+    worst = max((errors[n] / max(TOLERANCE, 2 * base_errors[n]), n) for n in truth)
+    print(f"loss fused {loss.item():.6f}, {baseline[0]} {base_loss.item():.6f}, fp32 {true_loss.item():.6f}; worst "
+          f"gradient against its bound {worst[0]:.2f} ({worst[1]}: fused {errors[worst[1]]:.1e}, "
+          f"{baseline[0]} {base_errors[worst[1]]:.1e})")
+    assert relative_error(loss, true_loss) <= max(TOLERANCE, 2 * relative_error(base_loss, true_loss))
     for name in truth:
-        assert errors[name] <= max(TOLERANCE, 2 * stock_errors[name]), (name, errors[name], stock_errors[name])
+        assert errors[name] <= max(TOLERANCE, 2 * base_errors[name]), (name, errors[name], base_errors[name])
