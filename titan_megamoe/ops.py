@@ -318,6 +318,14 @@ def check_inputs(x, topk_idx, topk_w, w1, w2, w3) -> None:
         raise ValueError("x, topk_idx, topk_w, w1, w2 and w3 must be on one device")
 
 
+def _fused_operands_reason(dtype: torch.dtype, weight_dtype: torch.dtype, precision: Precision,
+                           intermediate_size: int) -> str | None:
+    """Why the fused kernels cannot take these experts' weights (their dtype against the
+    tokens', their intermediate size), or None."""
+    return (fused_support.weights_unsupported_reason(dtype, weight_dtype, precision)
+            or fused_support.shape_unsupported_reason(precision, intermediate_size))
+
+
 def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision: Precision,
                              intermediate_size: int, weight_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The operator backend that ``backend="auto"`` runs experts of ``intermediate_size``
@@ -326,8 +334,7 @@ def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision
     ``reference``, which runs on any device (``stock`` is not this operator: a MoE layer
     calls it instead, ``resolve_backend``)."""
     reason = (BACKENDS["fused"].unsupported(device, dtype, precision, True)
-              or fused_support.weights_unsupported_reason(dtype, weight_dtype or dtype, precision)
-              or fused_support.shape_unsupported_reason(precision, intermediate_size))
+              or _fused_operands_reason(dtype, weight_dtype or dtype, precision, intermediate_size))
     if reason is None:
         return "fused", "the fused kernels run here"
     return "reference", (f"the fused backend cannot run here ({reason}); the reference backend, pure PyTorch "
@@ -397,8 +404,7 @@ def _check_settings(settings: OperatorSettings, x: Tensor, w1: Tensor, ep: int) 
     # Whether the EP group spans nodes is the caller's to check (the converter does).
     reason = backend.unsupported(x.device, x.dtype, settings.precision, True)
     if name == "fused":
-        reason = (reason or fused_support.weights_unsupported_reason(x.dtype, w1.dtype, settings.precision)
-                  or fused_support.shape_unsupported_reason(settings.precision, w1.shape[1]))
+        reason = reason or _fused_operands_reason(x.dtype, w1.dtype, settings.precision, w1.shape[1])
     if reason is not None:
         raise NotImplementedError(
             f"settings.backend = {name!r} cannot run here: {reason}; {_what_auto_runs(x, w1, settings)}")
