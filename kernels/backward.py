@@ -74,6 +74,8 @@ from titan_megamoe.kernels.forward import (
     weight_scale_rows,
     weights_in_bf16,
 )
+from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
+from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
@@ -83,6 +85,12 @@ from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_ker
 from titan_megamoe.precision import Format, Precision
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """``message`` in the log, the first time only."""
+    logger.warning(message)
 
 
 class GradBuffers:
@@ -216,22 +224,24 @@ def _token_major_length(shape, tiles: TileConfig, fmt: Format, received: int) ->
 
 
 def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_start: torch.Tensor,
-                 received: int, t, t_scales, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 received: int, block_major: bool, t, t_scales, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``cols`` columns of the rows ``t`` (e4m3 in ``fmt``'s row blocks when
     ``t_scales`` is given) as ``token_major_kernel`` lays them out: ``([cols, kt] e4m3,
-    [cols, kt / token block] scales)``, ``kt`` = ``_token_major_length`` for ``received``
-    rows. ``block_start``: ``_token_block_starts``."""
+    [cols, kt / token block] scales)`` (``block_major``: scales ``[kt / token block, cols]``),
+    ``kt`` = ``_token_major_length`` for ``received`` rows. ``block_start``:
+    ``_token_block_starts``."""
     kt = _token_major_length(buffers.shape, tiles, fmt, received)
     token_block = fmt.activation_block[1]
     out = torch.empty(cols, kt, dtype=torch.float8_e4m3fn, device=t.device)
-    scales = torch.empty(cols, kt // token_block, dtype=torch.float32, device=t.device)
+    scale_shape = (kt // token_block, cols) if block_major else (cols, kt // token_block)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=t.device)
     shape = buffers.shape
     block_c = tiles.token_major_row_bytes // t.element_size()
     launch(token_major_kernel, (triton.cdiv(cols, block_c) * (kt // token_block),),
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=t.shape[1], COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=block_c,
-        LOCAL_PAD=pad(shape.local_experts), num_warps=tiles.token_major_warps,
+        LOCAL_PAD=pad(shape.local_experts), SCALES_BLOCK_MAJOR=block_major, num_warps=tiles.token_major_warps,
     )
     return out, scales
 
@@ -297,6 +307,21 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     )
 
 
+def runs_gluon_wgrad(tiles: TileConfig, fmt: Format, hidden: int, inter: int) -> bool:
+    """Whether the quantized weight gradients run the Gluon core grouped along the tokens
+    (``TileConfig.wgrad_kernel``): the row names it, and it takes the format (blockwise
+    fp8) and the layer (hidden and intermediate sizes multiples of its 128 x 128 tiles);
+    where the row names it and it cannot, the log says so, once."""
+    if tiles.wgrad_kernel != "gluon":
+        return False
+    if fmt.name == "fp8_block" and fmt.activation_block[1] == FP8_BLOCK and hidden % FP8_BLOCK == inter % FP8_BLOCK == 0:
+        return True
+    _say_once(f"mega_moe fused: the tile row names the Gluon weight-gradient GEMM, which takes blockwise fp8 and "
+              f"sizes that are multiples of {FP8_BLOCK}; {fmt.name} with hidden size {hidden} and intermediate size "
+              f"{inter} runs the tl kernel instead")
+    return False
+
+
 def runs_library_wgrad(tiles: TileConfig, per_expert: tuple[int, ...] | None, a_cols: int, b_cols: int) -> bool:
     """Whether the quantized weight gradient ``A_e^T B_e`` (``a_cols`` x ``b_cols`` per
     expert) runs ``_library_wgrad``: the tile row's ``wgrad_library_macs`` reached by the
@@ -308,7 +333,7 @@ def runs_library_wgrad(tiles: TileConfig, per_expert: tuple[int, ...] | None, a_
 
 def _library_wgrad(tiles: TileConfig, fmt: Format, per_expert: tuple[int, ...],
                    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-                   outs: tuple[torch.Tensor, ...]) -> None:
+                   outs: tuple[torch.Tensor, ...], block_major: bool) -> None:
     """``_quantized_wgrad``'s products through torch's blockwise-scaled matmul
     (``torch.nn.functional.scaled_mm``, 1 x 128 blocks on both operands; on Hopper a
     cuBLASLt fp8 GEMM, ``TileConfig.wgrad_library_macs``), one launch per local expert
@@ -320,8 +345,9 @@ def _library_wgrad(tiles: TileConfig, fmt: Format, per_expert: tuple[int, ...],
         raise ValueError(f"torch's blockwise-scaled matmul takes blockwise fp8 (1 x 128 blocks, fp32 scales); "
                          f"format {fmt.name} has 1 x {token_block} blocks{' for an MX MMA' if fmt.scaled_mma else ''}")
     (at, at_scales), (bt, bt_scales) = a, b
-    # scaled_mm takes the scales outer-dimension major: [K blocks, columns].
-    at_scales, bt_scales = at_scales.t().contiguous(), bt_scales.t().contiguous()
+    # scaled_mm takes the scales outer-dimension major: [K blocks, columns] (``block_major``).
+    if not block_major:
+        at_scales, bt_scales = at_scales.t().contiguous(), bt_scales.t().contiguous()
     split = outs[0].shape[1] if len(outs) == 2 else 0
     k0 = 0
     for e, rows in enumerate(per_expert):
@@ -534,11 +560,15 @@ def fused_backward(
         # [da | db]'s copy is freed, so that the peak holds the three weight gradients
         # beside two copies, not beside [da | db] (v32).
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
-        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, received)
+        gluon = runs_gluon_wgrad(tiles, wgrad_fmt, shape.hidden, shape.inter)
+        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, received, gluon)
 
         def wgrad(a, b, outs):
             if runs_library_wgrad(tiles, per_expert, a[0].shape[0], b[0].shape[0]):
-                _library_wgrad(tiles, wgrad_fmt, per_expert, a, b, outs)
+                _library_wgrad(tiles, wgrad_fmt, per_expert, a, b, outs, block_major=gluon)
+            elif gluon:
+                token_grouped_gemm(*a, *b, starts, outs, GemmTiles(tiles.wgrad_n, tiles.wgrad_k, tiles.wgrad_stages),
+                                   num_programs)
             else:
                 _quantized_wgrad(buffers, tiles, wgrad_fmt, starts, a, b, outs)
 

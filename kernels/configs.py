@@ -13,7 +13,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 ROWS_GEMM_KERNELS = ("tl", "gluon")
-"""Implementations of the rows GEMMs (GEMM2, dgrad): ``TileConfig.gemm2_kernel``."""
+"""Implementations of the rows GEMMs (GEMM2, dgrad: ``TileConfig.gemm2_kernel``) and of the
+quantized weight gradients (``TileConfig.wgrad_kernel``)."""
 
 
 class RowsGemmTiles(NamedTuple):
@@ -84,6 +85,13 @@ class TileConfig:
     wgrad_warps: int = 8
     wgrad_stages: int = 3
     """Tiles of the quantized weight-gradient GEMM (bf16 runs torch's grouped GEMM)."""
+    wgrad_kernel: str = "tl"
+    """What runs the quantized weight gradients: ``"tl"`` (``kernels.wgrad.wgrad_kernel``,
+    the tiles above) or ``"gluon"``, Hopper's core grouped along the tokens
+    (``kernels.gluon.sm90.token_grouped_gemm``, blockwise e4m3 only: 128 x 128 tiles of two
+    consumer warpgroups, one token block per K step, ``wgrad_stages`` stages; ``wgrad_m``,
+    ``wgrad_n`` and ``wgrad_k`` must say so, ``wgrad_warps`` unused). Where a layer's
+    dimensions are not multiples of 128 the ``tl`` kernel runs, and the log says so."""
     wgrad_library_macs: int = 0
     """Blockwise fp8 only. A quantized weight gradient (dW1 with dW3, or dW2) runs torch's
     blockwise-scaled matmul (``torch.nn.functional.scaled_mm`` with 1 x 128 blocks: on
@@ -187,6 +195,11 @@ class TileConfig:
             if kernel == "gluon" and (self.mx_upcast or self.mx_dequantized_weights):
                 raise ValueError(f"{name}_kernel = 'gluon' multiplies bf16 or blockwise e4m3 operands; mx_upcast and "
                                  "mx_dequantized_weights must be 0 with it")
+        if self.wgrad_kernel not in ROWS_GEMM_KERNELS:
+            raise ValueError(f"wgrad_kernel = {self.wgrad_kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
+        if self.wgrad_kernel == "gluon" and (self.wgrad_m, self.wgrad_n, self.wgrad_k) != (128, 128, 128):
+            raise ValueError(f"wgrad_kernel = 'gluon' takes 128 x 128 tiles, one 128-token block per K step: wgrad_m, "
+                             f"wgrad_n, wgrad_k = {self.wgrad_m}, {self.wgrad_n}, {self.wgrad_k} must be 128")
         if self.dgrad_kernel == "gluon" and self.w13_as_stored_rows:
             raise ValueError("dgrad_kernel = 'gluon' reads [W1 | W3] transposed: w13_as_stored_rows must be 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):
@@ -252,13 +265,13 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
     # where GEMM1 was saved. Token-major copies read 128 bytes of each row in 2 warps,
     # neighbouring programs the same rows (9-12% faster than 64 columns of any operand in
-    # 4 warps, v36; 128 columns of fp32 in 4 warps were 34% slower, v16). Weight gradients in
-    # 64x128 tiles of 4 warps, 3 stages: two programs per SM, so one's epilogue overlaps
-    # the other's mainloop (22% faster than 128x128 in 8 warps; docs/perf.md v16). Where
-    # the mean expert brings 2^34 multiply-adds or more to a weight gradient, torch's
-    # blockwise-scaled matmul, one launch per expert, runs it instead: 786-884 TFLOP/s
-    # against wgrad_kernel's 556-579 at 8,192 rows per expert; slower below 2^34
-    # (30B-A3B dW1/dW3 at 4,096 rows: 532 against 596; v34).
+    # 4 warps, v36; 128 columns of fp32 in 4 warps were 34% slower, v16). Weight gradients on
+    # the Gluon core grouped along the tokens, 128x128 in 5 stages: 1.88 ms against
+    # wgrad_kernel's 2.75 (64x128 tiles, two programs per SM) at 30B-A3B 16k, 0.77 against
+    # 1.29 at 4k (v43). Where the mean expert brings 2^34 multiply-adds or more to a weight
+    # gradient, torch's blockwise-scaled matmul, one launch per expert, runs it instead:
+    # 786-884 TFLOP/s against wgrad_kernel's 556-579 at 8,192 rows per expert (v34; not
+    # yet compared with the Gluon kernel).
     # Dispatch copies of 16 whole e4m3 rows (2,048 columns) per step: a copy waits on its
     # loads, and wider steps keep more bytes in flight (GEMM1 kernel 8% faster, v17).
     # GEMM1 claims its next tile before the mainloop: 6-7% faster here (bf16's GEMM1 ran
@@ -274,7 +287,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         grad1_saved_stages=4,
         dgrad_kernel="gluon", dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=5,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
-        wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3, token_major_warps=2,
+        wgrad_kernel="gluon", wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_stages=5, token_major_warps=2,
         wgrad_library_macs=2**34,
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA. MX values are exact in bf16, so the
@@ -358,9 +371,10 @@ GLUON_ARCHS = ("sm90",)
 def check_table(table: dict[tuple[str, str], TileConfig]) -> None:
     """Raise where a row names an implementation its architecture cannot run."""
     for (arch, fmt_name), row in table.items():
-        for phase in (row.gemm2, row.dgrad):
-            if phase.kernel == "gluon" and arch not in GLUON_ARCHS:
-                raise ValueError(f"tile row ({arch}, {fmt_name}) runs a rows GEMM on the Gluon core, which is written "
+        for phase, kernel in (("a rows GEMM", row.gemm2.kernel), ("a rows GEMM", row.dgrad.kernel),
+                              ("the weight gradients", row.wgrad_kernel)):
+            if kernel == "gluon" and arch not in GLUON_ARCHS:
+                raise ValueError(f"tile row ({arch}, {fmt_name}) runs {phase} on the Gluon core, which is written "
                                  f"for {', '.join(GLUON_ARCHS)} only")
 
 

@@ -90,11 +90,12 @@ def token_major_kernel(
     t, t_scales, out, out_scales, local_base, local_rows, block_start, local_experts,
     STRIDE: tl.constexpr, COLS: tl.constexpr, SCALE_K: tl.constexpr, KT: tl.constexpr,
     TOKEN_BLOCK: tl.constexpr, POWER_OF_TWO: tl.constexpr, BLOCK_C: tl.constexpr, LOCAL_PAD: tl.constexpr,
+    SCALES_BLOCK_MAJOR: tl.constexpr,
 ):
     """One token block x ``BLOCK_C`` columns of ``t`` (rows of ``STRIDE``, the first
     ``COLS`` read; e4m3 with scales when ``SCALE_K`` > 0) into ``out [COLS, KT]`` e4m3 and
-    ``out_scales [COLS, KT / TOKEN_BLOCK]``, each column of the block quantized with one
-    scale. Program ``b * cdiv(COLS, BLOCK_C) + c``: column block ``c`` of token block ``b``
+    ``out_scales [COLS, KT / TOKEN_BLOCK]`` (``SCALES_BLOCK_MAJOR``: ``[KT / TOKEN_BLOCK,
+    COLS]``), each column of the block quantized with one scale. Program ``b * cdiv(COLS, BLOCK_C) + c``: column block ``c`` of token block ``b``
     of the packed layout (programs running together read neighbouring columns of the
     same rows); blocks past the last expert's are never read and left as they are."""
     COL_BLOCKS: tl.constexpr = tl.cdiv(COLS, BLOCK_C)
@@ -116,7 +117,10 @@ def token_major_kernel(
         col_ok = cols < COLS
         tokens = block * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
         tl.store(out + cols[None, :].to(tl.int64) * KT + tokens[:, None], q, mask=col_ok[None, :])
-        tl.store(out_scales + cols.to(tl.int64) * (KT // TOKEN_BLOCK) + block, scale, mask=col_ok)
+        if SCALES_BLOCK_MAJOR:
+            tl.store(out_scales + block.to(tl.int64) * COLS + cols, scale, mask=col_ok)
+        else:
+            tl.store(out_scales + cols.to(tl.int64) * (KT // TOKEN_BLOCK) + block, scale, mask=col_ok)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ exceeds the architecture's limit cannot launch; spills cost time (and, on first 
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
 ``--gluon`` compiles the Gluon grouped GEMM core instead, at the layer's four row GEMMs with
-its default tiles, and records what the machine code shows of its warp specialization:
+its default tiles and (fp8) at the weight gradients dW1 and dW3, grouped along the tokens, and records what the machine code shows of its warp specialization:
 register reallocations (``setmaxnreg``), TMA loads and the wgmma groups each wait leaves
 in flight.
 
@@ -210,6 +210,19 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
                      a_scale=scales[0], b_scale=scales[1], b_k_major=case.b_k_major,
                      epilogue="swiglu" if case.two_b else "store", programs=PROGRAMS)
         compiled += [{**r, "kernel": f"gluon {gemm}"} for r in records]
+    if fp8:  # the weight gradients dW1 and dW3: grouped along the tokens
+        from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
+
+        layer = SHAPES[shape]
+        blocks = torch.full((local,), -(-TOKENS_PER_RANK // 128), dtype=torch.int32)
+        block_start = torch.cat([torch.zeros(1, dtype=torch.int32), blocks.cumsum(0).to(torch.int32)])
+        tokens = int(block_start[-1]) * 128
+        records.clear()
+        token_grouped_gemm(torch.zeros(2 * layer.inter, tokens, dtype=dtype), torch.ones(tokens // 128, 2 * layer.inter),
+                           torch.zeros(layer.hidden, tokens, dtype=dtype), torch.ones(tokens // 128, layer.hidden),
+                           block_start, tuple(torch.empty(local, layer.inter, layer.hidden, dtype=torch.bfloat16)
+                                              for _ in range(2)), programs=PROGRAMS)
+        compiled += [{**r, "kernel": "gluon wgrad"} for r in records]
     return compiled
 
 

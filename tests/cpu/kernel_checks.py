@@ -448,9 +448,14 @@ def check_library_wgrad(device, seed: int) -> None:
     layout = SimpleNamespace(shape=SimpleNamespace(local_experts=len(per_expert)))
     for outs_of in (lambda: (torch.full((len(per_expert), m, n), float("nan")),),
                     lambda: tuple(torch.full((len(per_expert), m // 2, n), float("nan")) for _ in range(2))):
-        want, got = (tuple(t.to(torch.bfloat16).to(device) for t in outs_of()) for _ in range(2))
+        want, got, got_block_major = (tuple(t.to(torch.bfloat16).to(device) for t in outs_of()) for _ in range(3))
         backward._quantized_wgrad(layout, tiles, FP8_BLOCK, block_start.to(device), a, b, want)
-        backward._library_wgrad(tiles, FP8_BLOCK, per_expert, a, b, got)
+        backward._library_wgrad(tiles, FP8_BLOCK, per_expert, a, b, got, block_major=False)
+        # The copies the Gluon weight-gradient GEMM reads: scales block-major.
+        backward._library_wgrad(tiles, FP8_BLOCK, per_expert, *(((q, s.t().contiguous()) for q, s in (a, b))),
+                                got_block_major, block_major=True)
+        for o, o_block_major in zip(got, got_block_major):
+            assert torch.equal(o, o_block_major)
         for w, o in zip(want, got):
             for e, rows in enumerate(per_expert):
                 if rows == 0:

@@ -32,7 +32,9 @@ def gluon_resources(tmp_path_factory):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
     records = {r["kernel"]: r for r in gluon_resources[precision]}
-    assert set(records) == {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad"}, set(records)
+    expected = {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad"} | ({"gluon wgrad"} if precision == "fp8"
+                                                                                else set())
+    assert set(records) == expected, set(records)
     for name, r in records.items():
         assert r["shared_bytes"] <= SHARED_LIMIT, (name, r["shared_bytes"])
         assert r["stack_bytes"] == 0 and r["local_accesses"] == 0, (name, "spills")
@@ -42,7 +44,9 @@ def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
         assert r["tma_loads"] > 0, (name, "no TMA loads")
         # A wait that leaves MMAs in flight: ptxas serializes every wgmma of a kernel where an
         # instruction touches an accumulator in flight (its waits then all leave none).
-        in_flight = 2 if (precision, name) == ("bf16", "gluon gate_up") else 1
+        # The weight gradients wait for each block's MMA: their column scales leave no
+        # registers for a second partial (the other warpgroup's MMAs run under a promotion).
+        in_flight = {("bf16", "gluon gate_up"): 2, ("fp8", "gluon wgrad"): 0}.get((precision, name), 1)
         assert max(r["mma_waits_in_flight"]) == in_flight, (name, r["mma_waits_in_flight"])
 
 
@@ -92,6 +96,33 @@ def test_host_checks_name_what_does_not_fit():
                          programs=4, **args)
 
 
+def test_token_grouped_gemm_host_checks_name_what_does_not_fit():
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
+    from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
+
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.zeros(256, 512, dtype=fp8), torch.zeros(384, 512, dtype=fp8)
+    a_scale, b_scale = torch.ones(4, 256), torch.ones(4, 384)
+    block_start = torch.tensor([0, 1, 4], dtype=torch.int32)
+    outs = tuple(torch.empty(2, 128, 384, dtype=torch.bfloat16) for _ in range(2))
+    cases = [
+        (dict(a=a.to(torch.bfloat16)), "e4m3 operands with fp32 scales"),
+        (dict(b=torch.zeros(512, 384, dtype=fp8).t()), "b are not"),
+        (dict(b=torch.zeros(384, 640, dtype=fp8)), "expected a \\[M, T\\] and b \\[N, T\\]"),
+        (dict(a_scale=torch.ones(256, 4)), "scales \\[T / 128, M\\]"),
+        (dict(block_start=block_start.to(torch.int64)), "1-D int32"),
+        (dict(tiles=GemmTiles(256, 128, 4)), "128 x 128 tiles"),
+        (dict(outs=outs[:1]), "expected one \\[2, 256, 384\\] or two \\[2, 128, 384\\]"),
+        (dict(a=torch.zeros(320, 512, dtype=fp8), a_scale=torch.ones(4, 320),
+              outs=tuple(torch.empty(2, 160, 384, dtype=torch.bfloat16) for _ in range(2))), "per output 160"),
+    ]
+    for change, message in cases:
+        args = dict(a=a, a_scale=a_scale, b=b, b_scale=b_scale, block_start=block_start, outs=outs)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            token_grouped_gemm(**args, programs=4)
+
+
 def test_the_tile_table_names_what_each_rows_gemm_runs():
     """``gemm2_kernel`` / ``dgrad_kernel``: the Gluon core on sm90 rows only, over whole
     blocks, on bf16 or blockwise e4m3 operands, with ``[W1 | W3]`` transposed; anything
@@ -103,13 +134,16 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
     native = configs.TILE_CONFIGS["sm90", "native"]
     assert (native.gemm2.kernel, native.dgrad.kernel) == ("gluon", "tl")
     fp8 = configs.TILE_CONFIGS["sm90", "fp8_block"]
-    assert (fp8.gemm2.kernel, fp8.dgrad.kernel) == ("gluon", "gluon")
+    assert (fp8.gemm2.kernel, fp8.dgrad.kernel, fp8.wgrad_kernel) == ("gluon", "gluon", "gluon")
+    assert native.wgrad_kernel == "tl"
     assert all(row.gemm2.kernel == "tl" for (arch, _), row in configs.TILE_CONFIGS.items() if arch != "sm90")
     refused = [
         (dict(gemm2_kernel="cuda"), "gemm2_kernel = 'cuda'; known: tl, gluon"),
         (dict(gemm2_m=64), "gemm2_m = 64 must be block_m"),
         (dict(dgrad_kernel="gluon"), "w13_as_stored_rows must be 0"),
         (dict(mx_upcast=1), "mx_upcast and mx_dequantized_weights must be 0"),
+        (dict(wgrad_kernel="cuda"), "wgrad_kernel = 'cuda'; known: tl, gluon"),
+        (dict(wgrad_kernel="gluon", wgrad_m=64), "wgrad_m, wgrad_n, wgrad_k = 64, 128, 128 must be 128"),
     ]
     for change, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -117,3 +151,6 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
     with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs a rows GEMM on the Gluon core"):
         configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
                                                                     gemm2_kernel="gluon")})
+    with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs the weight gradients on the Gluon core"):
+        configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
+                                                                    wgrad_kernel="gluon")})

@@ -195,6 +195,9 @@ def test_profile_layer_counts_each_stage_against_the_peak():
     assert (split["grouped_gemm_kernel"], split["rows_gemm_combine_kernel"]) == (unit, 2 * unit)
     both = profile_layer.stage_flops(rows, hidden, inter, True, True, rows_kernels=("gluon", "gluon"))
     assert both["grouped_gemm_kernel"] == 3 * unit and "rows_gemm_combine_kernel" not in both
+    # The weight gradients on the Gluon core grouped along the tokens (fp8's row).
+    gluon_wgrad = profile_layer.stage_flops(rows, hidden, inter, True, True, wgrad_kernel="gluon")
+    assert gluon_wgrad["token_grouped_gemm_kernel"] == 3 * unit and "wgrad_kernel" not in gluon_wgrad
     # 1.24 TFLOP forward at 792 TFLOP/s: 1.56 ms; fwd+bwd three times that.
     assert profile_layer.roofline_ms(rows, hidden, inter, False, 792.0) == pytest.approx(1.563, rel=1e-3)
     assert profile_layer.roofline_ms(rows, hidden, inter, True, 792.0) == pytest.approx(3 * 1.563, rel=1e-3)
@@ -708,7 +711,9 @@ def test_every_sm90_kernel_fits_an_h100(tmp_path):
         assert GEMM_KERNELS <= kernels, (name, kernels)
         # The table runs GEMM2 on the Gluon core in every sm90 row, the release after it.
         assert {"grouped_gemm_kernel", "combine_release_kernel"} <= kernels, (name, kernels)
-    assert {"token_major_kernel", "wgrad_kernel"} <= {r["kernel"] for r in report["precisions"]["fp8"]}
+    # fp8's weight gradients on the Gluon core grouped along the tokens, from token-major copies.
+    fp8_kernels = {r["kernel"] for r in report["precisions"]["fp8"]}
+    assert {"token_major_kernel", "token_grouped_gemm_kernel"} <= fp8_kernels and "wgrad_kernel" not in fp8_kernels
     mx_kernels = {r["kernel"] for r in report["precisions"]["mxfp8"]}
     assert "dequantized_rows_kernel" in mx_kernels and "wgrad_kernel" not in mx_kernels, mx_kernels
     mma = {r["mma"] for r in report["precisions"]["mxfp8"] if r["kernel"] in GEMM_KERNELS | ROWS_GEMM_KERNELS}

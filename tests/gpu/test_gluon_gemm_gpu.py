@@ -126,3 +126,55 @@ def test_grouped_gemm_combines_rows_to_their_origins(precision, n, k, tiles):
     assert torch.equal(copies[:, 0].isnan(), ~written), "a slot no row came from was written, or one was missed"
     error = float((copies[written].float() - want[written]).norm() / want[written].norm())
     assert error <= gemm_bench.TOLERANCE[precision], error
+
+
+def _token_operand(cols, block_start, counts, generator):
+    """A token-major e4m3 operand ``[cols, tokens]`` and its scales ``[tokens / 128, cols]``
+    (block-major) as the weight gradients' copies hold them: each expert's tokens from its
+    first block, zeros past its rows; and the same in fp32, dequantized."""
+    tokens = int(block_start[-1]) * 128
+    values = torch.randn(cols, tokens, generator=generator) * 4
+    for e, count in enumerate(counts):
+        values[:, int(block_start[e]) * 128 + count:int(block_start[e + 1]) * 128] = 0
+    q = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(tokens // 128, cols, generator=generator) + 0.5
+    dequantized = q.float() * scales.t().repeat_interleave(128, dim=1)
+    return q.cuda(), scales.cuda(), dequantized.cuda()
+
+
+@pytest.mark.parametrize("m, n, split, counts, programs", [
+    (256, 384, True, [0, 1, 127, 128, 129, 300, 0, 1024], None),
+    (1536, 2048, True, [900, 1100, 0, 1300, 64, 1024, 1, 2000], None),
+    (2048, 768, False, [513, 0, 255, 77, 1, 700, 128, 4096], 7),
+])
+def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs):
+    """The weight gradients' GEMM, grouped along the tokens: each expert's output is the
+    fp32 product of its own token blocks of the dequantized operands; an expert without
+    tokens gets zeros; outputs poisoned first; two runs bit for bit; fewer programs
+    than tiles."""
+    from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
+
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    blocks = torch.tensor([-(-c // 128) for c in counts])
+    block_start = torch.cat([torch.zeros(1, dtype=torch.int64), blocks.cumsum(0)]).to(torch.int32)
+    a, a_scale, a_fp32 = _token_operand(m, block_start, counts, generator)
+    b, b_scale, b_fp32 = _token_operand(n, block_start, counts, generator)
+    experts = len(counts)
+
+    def run():
+        shape = (experts, m // 2, n) if split else (experts, m, n)
+        outs = tuple(torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                     for _ in range(2 if split else 1))
+        token_grouped_gemm(a, a_scale, b, b_scale, block_start.cuda(), outs, programs=programs)
+        return torch.cat(outs, dim=1)
+
+    out = run()
+    for e in range(experts):
+        tokens = slice(int(block_start[e]) * 128, int(block_start[e + 1]) * 128)
+        ref = a_fp32[:, tokens] @ b_fp32[:, tokens].T
+        if counts[e] == 0:
+            assert torch.equal(out[e], torch.zeros_like(out[e])), f"expert {e} has no tokens and was not zeroed"
+            continue
+        error = float((out[e].float() - ref).norm() / ref.norm())
+        assert error <= 1e-2, (e, error)  # fp32 accumulation, bf16 output
+    assert torch.equal(run(), out), "two runs differ"

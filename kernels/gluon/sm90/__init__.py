@@ -26,5 +26,7 @@ Synchronisation protocol (per program; ``s`` = step % STAGES, phase = (step // S
 
 An mbarrier arrive is issued once per partition; every warp of a consumer warpgroup has
 passed the MMA wait before it (the wait is warpgroup-wide), so the stage is free.
-``grouped_gemm`` is the kernel and its host launcher.
+``grouped_gemm`` is the kernel and its host launcher. ``token_grouped_gemm`` runs the same
+partitions on a schedule grouped along K (``schedule.TokenBlockTiles``: the weight
+gradients, each expert contracting its own token blocks), with the same protocol.
 """

@@ -99,7 +99,9 @@ def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out, row_orig
         ], [LOAD_WARPS], [LOAD_REGISTERS])
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of ``block`` tiles of the 2-D tensor ``t`` (bf16 or e4m3), in the
+    shared-memory layout the MMAs read."""
     layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
@@ -167,13 +169,13 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "E
     a_block = [tiles.block_m, tiles.block_k]
     b_block = [tiles.block_n, tiles.block_k] if b_k_major else [tiles.block_k, tiles.block_n]
     b_rows = experts * (n_dim if b_k_major else k_dim)
-    b_desc = _descriptor(b.reshape(b_rows, -1), b_block)
-    b2_desc = _descriptor(b2.reshape(b_rows, -1), b_block) if b2 is not None else None
+    b_desc = tma_descriptor(b.reshape(b_rows, -1), b_block)
+    b2_desc = tma_descriptor(b2.reshape(b_rows, -1), b_block) if b2 is not None else None
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count
     targets = (combine.origin, combine.out_ptrs, combine.rank, combine.rows_per_rank) if combine else (None,) * 4
     launch(grouped_gemm_kernel, (programs,),
-        _descriptor(a, a_block), b_desc, b2_desc, a_scale, b_scale, out, *targets,
+        tma_descriptor(a, a_block), b_desc, b2_desc, a_scale, b_scale, out, *targets,
         layout.block_base, layout.local_base, layout.local_rows, experts, layout.num_blocks,
         EPILOGUE=EPILOGUES[epilogue], COMBINE=combine is not None, N=n_dim, K=k_dim, BLOCK_N=tiles.block_n,
         STAGES=tiles.stages, MMA_WARPGROUPS=tiles.mma_warpgroups, LOCAL_PAD=triton.next_power_of_2(experts),

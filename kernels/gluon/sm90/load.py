@@ -39,3 +39,22 @@ def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
             if spec.two_b:
                 tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
             step += 1
+
+
+@gluon.jit
+def load_token_blocks(a_desc, b_desc, ring, tiles, spec):
+    """For a GEMM grouped along K (``schedule.TokenBlockTiles``): per tile, each of its
+    expert's token blocks, the A tile ``[BLOCK_M, BLOCK_K]`` at the tile's rows and the B
+    tile ``[BLOCK_N, BLOCK_K]`` at its columns, out of token-major ``[M, tokens]`` and
+    ``[N, tokens]``."""
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    step = 0
+    for t in range(gl.program_id(0), tiles.count(spec), gl.num_programs(0)):
+        _, m0, n0, first, blocks = tiles.tile(t, spec)
+        for j in range(blocks):
+            s, ready = ring.fill(step, spec)
+            mbarrier.expect(ready, stage_bytes)
+            k = (first + j) * spec.block_k
+            tma_load(a_desc, [m0, k], ready, ring.a.index(s))
+            tma_load(b_desc, [n0, k], ready, ring.b.index(s))
+            step += 1

@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from titan_megamoe.kernels.gluon.sm90.epilogue import row_origins, row_starts, store_layout
+from titan_megamoe.kernels.gluon.sm90.epilogue import row_origins, row_starts, store_layout, store_rows
 
 MMA_ROWS = gl.constexpr(64)
 """Rows of a tile per consumer warpgroup (one m64 wgmma)."""
@@ -163,3 +163,70 @@ def mma_partition(ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank
             acc, acc2, step = _mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
         dest = row_starts(origin, live, out, out_ptrs, rank, rows_per_rank, spec.n, spec.combine)
         spec.epilogue(acc, acc2, out, dest, live, n0)
+
+
+@gluon.jit
+def _token_block_mainloop(ring, step, acc, a_scales, b_scales, rows, cols, blocks, spec, WARPGROUP: gl.constexpr):
+    """A GEMM grouped along K: ``acc = sum_j (A_j B_j^T) * a_scales[j, rows][:, None] *
+    b_scales[j, cols][None, :]`` over ``blocks`` token blocks (``a_scales``, ``b_scales``:
+    the block-major scales from the expert's first block; ``rows`` and ``cols`` offsets
+    into a block's row of them). Each block's MMA is waited for before its promotion: the
+    column scales (``BLOCK_N / 4`` per thread) beside the accumulator and the partial leave
+    no registers for a second partial in flight, so the other warpgroup's MMAs are what
+    runs under a promotion. A block's scales load one block ahead: one MMA is shorter than
+    a load's latency."""
+    part = gl.zeros_like(acc)
+    a_next = gl.load(a_scales + rows)
+    b_next = gl.load(b_scales + cols)
+    for j in range(blocks):
+        a, b, _ = ring.acquire(step, spec, WARPGROUP=WARPGROUP)
+        part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+        a_block = a_next
+        b_block = b_next
+        ahead = gl.minimum(j + 1, blocks - 1)  # the last block loads its own again: in bounds
+        a_next = gl.load(a_scales + ahead * spec.m + rows)
+        b_next = gl.load(b_scales + ahead * spec.n + cols)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        ring.release(step, spec)
+        acc = acc + part * a_block[:, None] * b_block[None, :]
+        step += 1
+    return acc, step
+
+
+@gluon.jit
+def token_block_mma_partition(ring, tiles, a_scale, b_scale, out, out2, spec, WARPGROUP: gl.constexpr):
+    """Consumer warpgroup ``WARPGROUP`` of a GEMM grouped along K (``TokenBlockTiles``): per
+    tile, its 64 rows over the expert's token blocks, stored into the expert's output
+    (``out [experts, M, N]``, or split at ``spec.split_m`` into ``out`` and ``out2``). The
+    scales are block-major, ``[token blocks, M]`` and ``[token blocks, N]`` fp32, so a
+    block's scales of a tile are one contiguous run; a tile of an expert without token
+    blocks stores zeros. A tile's expert and token range load under the previous tile's
+    MMAs: with a few token blocks per tile their latency would otherwise stall every tile."""
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    out_layout: gl.constexpr = store_layout(spec.block_n, MMA_WARPS)
+    rows = WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, spec.block_n, layout=gl.SliceLayout(0, layout))
+    count = tiles.count(spec)
+    last = gl.maximum(count - 1, 0)
+    expert, m0, n0, first, blocks = tiles.tile(gl.minimum(gl.program_id(0), last), spec)
+    step = 0
+    for t in range(gl.program_id(0), count, gl.num_programs(0)):
+        following = tiles.tile(gl.minimum(t + gl.num_programs(0), last), spec)
+        acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+        if blocks > 0:
+            acc, step = _token_block_mainloop(ring, step, acc, a_scale + (first.to(gl.int64) * spec.m + m0),
+                                              b_scale + (first.to(gl.int64) * spec.n + n0), rows, cols, blocks,
+                                              spec, WARPGROUP=WARPGROUP)
+        out_rows = m0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, out_layout))
+        live = out_rows < spec.m
+        if spec.split_m > 0:
+            if m0 >= spec.split_m:
+                dest = (expert.to(gl.int64) * (spec.m - spec.split_m) + out_rows - spec.split_m) * spec.n
+                store_rows(acc, acc, out2, dest, live, n0)
+            else:
+                dest = (expert.to(gl.int64) * spec.split_m + out_rows) * spec.n
+                store_rows(acc, acc, out, dest, live, n0)
+        else:
+            dest = (expert.to(gl.int64) * spec.m + out_rows) * spec.n
+            store_rows(acc, acc, out, dest, live, n0)
+        expert, m0, n0, first, blocks = following

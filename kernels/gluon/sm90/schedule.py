@@ -56,3 +56,36 @@ class ExpertTiles:
         base = gl.load(self.local_base + expert)
         row0 = base + virtual_row - gl.load(self.block_base + expert)
         return expert, row0, base + gl.load(self.local_rows + expert), (t % n_tiles) * spec.block_n
+
+
+@aggregate
+class TokenBlockTiles:
+    """Tiles of a GEMM grouped along K (the weight gradients): expert ``e`` contracts the
+    token blocks ``block_start[e] .. block_start[e + 1]`` of two token-major operands, each
+    ``BLOCK_K`` tokens, into its own ``[M, N]`` output. Tile ``t`` is expert ``t //
+    (M_TILES * N_TILES)``, then row block, then column block fastest: neighbouring programs
+    share the expert's A rows and its token range in L2."""
+
+    block_start: gl.tensor
+    experts: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, block_start, experts):
+        self.block_start = block_start
+        self.experts = experts
+
+    @gluon.jit
+    def count(self, spec):
+        return self.experts * ((spec.m // spec.block_m) * (spec.n // spec.block_n))
+
+    @gluon.jit
+    def tile(self, t, spec):
+        """``(expert, m0, n0, first, blocks)``: the tile's expert, first output row and column,
+        and the expert's first token block and number of them (0: the tile is zeros)."""
+        n_tiles: gl.constexpr = spec.n // spec.block_n
+        per_expert: gl.constexpr = (spec.m // spec.block_m) * n_tiles
+        expert = t // per_expert
+        within = t % per_expert
+        first = gl.load(self.block_start + expert)
+        return (expert, (within // n_tiles) * spec.block_m, (within % n_tiles) * spec.block_n, first,
+                gl.load(self.block_start + expert + 1) - first)

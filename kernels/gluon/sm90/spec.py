@@ -52,3 +52,36 @@ class GemmSpec:
         self.scale_k = gl.constexpr(scale_k)
         self.scale_n = gl.constexpr(scale_n)
         self.promote_chunk = gl.constexpr(promote_chunk)
+
+
+@aggregate
+class TokenGemmSpec:
+    """Shapes and tiles of a GEMM grouped along K (``schedule.TokenBlockTiles``): per expert
+    ``out[e] [M, N] = sum over its token blocks of (A_k B_k^T) * a_scale[:, k] b_scale[:, k]``,
+    blockwise e4m3, both operands token-major (K-major); rows below ``split_m`` (if > 0)
+    into the first output, the others into the second."""
+
+    m: gl.constexpr
+    n: gl.constexpr
+    split_m: gl.constexpr
+    block_m: gl.constexpr
+    block_n: gl.constexpr
+    block_k: gl.constexpr
+    """Tokens per K step: one token block, one scale per operand row."""
+    stages: gl.constexpr
+    mma_warpgroups: gl.constexpr
+    two_b: gl.constexpr
+    b_k_major: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, m, n, split_m, block_m, block_n, block_k, stages, mma_warpgroups):
+        self.m = gl.constexpr(m)
+        self.n = gl.constexpr(n)
+        self.split_m = gl.constexpr(split_m)
+        self.block_m = gl.constexpr(block_m)
+        self.block_n = gl.constexpr(block_n)
+        self.block_k = gl.constexpr(block_k)
+        self.stages = gl.constexpr(stages)
+        self.mma_warpgroups = gl.constexpr(mma_warpgroups)
+        self.two_b = gl.constexpr(False)
+        self.b_k_major = gl.constexpr(True)
