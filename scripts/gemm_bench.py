@@ -1,7 +1,7 @@
 """The operator's expert GEMMs alone, each implementation against the others, on one GPU.
 
     python scripts/gemm_bench.py [--layers 30B-A3B,235B-A22B] [--local-experts 128,16]
-                                 [--tokens 16384] [--gemms gate_up,down,dy_w2,dgrad]
+                                 [--tokens 16384] [--gemms gate_up,down,dy_w2,dgrad,wgrad_w13,wgrad_w2]
                                  [--precisions bf16,fp8] [--impls gluon,tl,torch]
                                  [--sweep] [--iters 20] [--out DIR]
 
@@ -18,6 +18,13 @@ rows on a 32-row boundary). The GEMMs:
   B), fp8 a K-major transposed copy (Hopper's fp8 MMA takes K-major operands only).
 - ``dgrad``: ``[da | db] [W1 | W3]``, K = 2 x intermediate, N = hidden; N-major in bf16, a
   transposed copy in fp8.
+- ``wgrad_w13`` and ``wgrad_w2`` (fp8 only): the weight gradients ``dW1 | dW3 = [da | db]^T
+  x`` (M = 2 x intermediate, N = hidden, two outputs) and ``dW2 = dy^T h`` (M = hidden, N =
+  intermediate), each expert contracting its own rows, as the backward runs them: on
+  token-major e4m3 copies with one scale per column per 128-token block. ``gluon`` is
+  ``kernels.gluon.sm90.token_grouped_gemm``, ``tl`` the ``tl`` kernel (``wgrad_kernel``)
+  with its former tiles, ``torch`` torch's blockwise-scaled matmul one expert at a time
+  (the backward's choice for deep experts).
 
 Implementations: ``gluon`` (``kernels.gluon.sm90``; ``--sweep`` times every candidate tile
 config, else the first), ``tl`` (the operator's ``tl.dot`` mainloop,
@@ -50,7 +57,9 @@ from bench_layer import SHAPES, matmul_peak_tflops  # noqa: E402  (the bench's l
 from titan_megamoe.kernels.layout import tile_rows  # noqa: E402
 from titan_megamoe.kernels.mainloop import tile_gemm  # noqa: E402
 
-GEMMS = ("gate_up", "down", "dy_w2", "dgrad")
+ROW_GEMMS = ("gate_up", "down", "dy_w2", "dgrad")
+WGRAD_GEMMS = ("wgrad_w13", "wgrad_w2")
+GEMMS = ROW_GEMMS + WGRAD_GEMMS
 IMPLS = ("gluon", "tl", "torch")
 PRECISIONS = ("bf16", "fp8")
 LAYERS = ("30B-A3B", "235B-A22B")
@@ -81,8 +90,13 @@ class GemmCase:
     """gate_up in bf16: two weights, SwiGLU epilogue."""
     b_k_major: bool
     """B stored ``[experts, n, k]``; else ``[experts, k, n]`` (read as stored, bf16)."""
+    m: int = 0
+    """Weight gradients: output rows per expert (``out[e] [m, n] = A_e^T B_e``, K the
+    expert's rows); 0 for the row GEMMs."""
 
     def flops(self, rows: int) -> int:
+        if self.m:
+            return 2 * rows * self.m * self.n
         return 2 * rows * self.k * self.n * (2 if self.two_b else 1)
 
 
@@ -90,6 +104,11 @@ def gemm_case(layer: str, local_experts: int, gemm: str, precision: str) -> Gemm
     shape = SHAPES[layer]
     h, i = shape.hidden, shape.inter
     fp8 = precision == "fp8"
+    if gemm in WGRAD_GEMMS:
+        if not fp8:
+            raise ValueError(f"{gemm}: bf16 weight gradients run torch's grouped GEMM, which this bench does not time")
+        m, n = (2 * i, h) if gemm == "wgrad_w13" else (h, i)
+        return GemmCase(gemm, layer, local_experts, precision, n, 0, False, True, m=m)
     n, k, two_b, k_major = {
         "gate_up": (2 * i if fp8 else i, h, not fp8, True),
         "down": (h, i, False, True),
@@ -273,6 +292,117 @@ def torch_impl(case: GemmCase, ops: Operands, layout, out):
     return run
 
 
+# -- the weight gradients -------------------------------------------------------------------
+
+TL_WGRAD_TILES = dict(wgrad_kernel="tl", wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3)
+"""The ``tl`` weight-gradient kernel's tiles in the sm90 fp8 row before the Gluon kernel took
+it (docs/perf.md v16, v43)."""
+
+
+@dataclasses.dataclass
+class TokenOperands:
+    """One input set of a weight gradient: the two operands token-major (``[cols, tokens]``
+    e4m3, each expert's rows from its first 128-token block, zeros past them), their scales
+    ``[cols, tokens / 128]`` and block-major, and each expert's first block."""
+
+    a: tuple[torch.Tensor, torch.Tensor]
+    b: tuple[torch.Tensor, torch.Tensor]
+    a_block_major: torch.Tensor
+    b_block_major: torch.Tensor
+    block_start: torch.Tensor
+    per_expert: tuple[int, ...]
+
+
+def make_token_operands(case: GemmCase, counts: torch.Tensor, device, generator) -> TokenOperands:
+    from titan_megamoe.kernels.quantize import quantize_rows
+    from titan_megamoe.precision import FP8_BLOCK as FORMAT
+
+    per_expert = tuple(counts.tolist())
+    blocks = [-(-c // FP8_BLOCK) for c in per_expert]
+    starts = [0]
+    for b in blocks:
+        starts.append(starts[-1] + b)
+    tokens = starts[-1] * FP8_BLOCK
+
+    def operand(cols):
+        values = torch.zeros(cols, tokens)
+        for start, count in zip(starts, per_expert):
+            values[:, start * FP8_BLOCK:start * FP8_BLOCK + count] = torch.randn(cols, count, generator=generator)
+        return quantize_rows(values.to(device, torch.bfloat16), FP8_BLOCK, FORMAT.power_of_two)
+
+    a, b = operand(case.m), operand(case.n)
+    return TokenOperands(a, b, a[1].t().contiguous(), b[1].t().contiguous(),
+                         torch.tensor(starts, dtype=torch.int32, device=device), per_expert)
+
+
+def wgrad_reference(ops: TokenOperands) -> list[torch.Tensor]:
+    """fp32 ``A_e^T B_e`` per expert from the dequantized copies."""
+    (qa, sa), (qb, sb) = ops.a, ops.b
+    a, b = _dequantized(qa, sa, (1, FP8_BLOCK)), _dequantized(qb, sb, (1, FP8_BLOCK))
+    starts = ops.block_start.tolist()
+    return [a[:, s * FP8_BLOCK:e * FP8_BLOCK] @ b[:, s * FP8_BLOCK:e * FP8_BLOCK].t()
+            for s, e in zip(starts[:-1], starts[1:])]
+
+
+def wgrad_impl(impl: str, case: GemmCase, ops: TokenOperands, outs: tuple[torch.Tensor, ...]):
+    from types import SimpleNamespace
+
+    from titan_megamoe.kernels import backward
+    from titan_megamoe.kernels.configs import tile_config
+    from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
+    from titan_megamoe.precision import FP8_BLOCK as FORMAT
+
+    tiles = tile_config("sm90", FORMAT.name)
+    if impl == "gluon":
+        return lambda: token_grouped_gemm(ops.a[0], ops.a_block_major, ops.b[0], ops.b_block_major, ops.block_start,
+                                          outs)
+    if impl == "tl":
+        tl_tiles = dataclasses.replace(tiles, **TL_WGRAD_TILES)
+        layout = SimpleNamespace(shape=SimpleNamespace(local_experts=case.local_experts))
+        return lambda: backward._quantized_wgrad(layout, tl_tiles, FORMAT, ops.block_start, ops.a, ops.b, outs)
+    return lambda: backward._library_wgrad(tiles, FORMAT, ops.per_expert, ops.a, ops.b, outs, block_major=False)
+
+
+def bench_wgrad_case(case: GemmCase, impls: list[str], tokens: int, top_k: int, iters: int, peak: dict, device,
+                     say) -> list[dict]:
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{case.layer} {case.local_experts} {case.gemm}".encode()))
+    rows = tokens * top_k
+    counts = torch.bincount(torch.randint(0, case.local_experts, (rows,), generator=generator),
+                            minlength=case.local_experts)
+    sets = [make_token_operands(case, counts, device, generator) for _ in range(INPUT_SETS)]
+    split = case.gemm == "wgrad_w13"
+    shape = (case.local_experts, case.m // 2 if split else case.m, case.n)
+    flops = case.flops(rows)
+    ref = wgrad_reference(sets[0])
+    results = []
+    for impl in impls:
+        outs = [tuple(torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)
+                      for _ in range(2 if split else 1)) for _ in sets]
+        try:
+            runs = [wgrad_impl(impl, case, s, o) for s, o in zip(sets, outs)]
+            runs[0]()
+            torch.cuda.synchronize()
+        except Exception as error:  # reported, the rest go on
+            say(f"  {impl}: cannot run: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            results.append({"impl": impl, "error": f"{type(error).__name__}: {error}"[:2000]})
+            continue
+        got = torch.cat(outs[0], dim=1).float()
+        errors = [float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, ref) if r.abs().max() > 0]
+        error = max(errors) if all(e == e for e in errors) else float("nan")
+        record = {"impl": impl, "rel_error": error}
+        if not error <= TOLERANCE["fp8"]:
+            say(f"  {impl}: WRONG: worst expert's relative error {error:.3g} > {TOLERANCE['fp8']:g}; not timed")
+            record["wrong"] = True
+            results.append(record)
+            continue
+        ms = median_ms(runs, iters)
+        tflops = flops / (ms * 1e-3) / 1e12
+        record.update(ms=ms, tflops=tflops, peak_share=tflops / peak["fp8"] if peak["fp8"] else None)
+        say(f"  {impl}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, error {error:.2e}")
+        results.append(record)
+    return [{**dataclasses.asdict(case), "rows": rows, "flops": flops, **r} for r in results]
+
+
 # -- timing ---------------------------------------------------------------------------------
 
 
@@ -388,6 +518,15 @@ def main(argv=None) -> int:
         for experts in local_experts:
             for precision in precisions:
                 for gemm in gemms:
+                    if gemm in WGRAD_GEMMS:
+                        if precision != "fp8":
+                            continue  # bf16's weight gradients are torch's grouped GEMM alone
+                        case = gemm_case(layer, experts, gemm, precision)
+                        say(f"{layer}, {experts} experts, {precision} {gemm}: M {case.m}, N {case.n}, K each "
+                            "expert's rows")
+                        results += bench_wgrad_case(case, impls, args.tokens, SHAPES[layer].top_k, args.iters, peak,
+                                                    device, say)
+                        continue
                     case = gemm_case(layer, experts, gemm, precision)
                     say(f"{layer}, {experts} experts, {precision} {gemm}: N {case.n}, K {case.k}"
                         + (", B N-major" if not case.b_k_major else ""))

@@ -197,7 +197,7 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
     fp8 = precision_name == "fp8"
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     compiled = []
-    for gemm in gemm_bench.GEMMS:
+    for gemm in gemm_bench.ROW_GEMMS:
         case = gemm_bench.gemm_case(shape, local, gemm, precision_name)
         rows = layout.rows + 128
         b_shape = (local, case.n, case.k) if case.b_k_major else (local, case.k, case.n)

@@ -173,6 +173,37 @@ def _library_wgrad(rank, world):
     check_library_wgrad("cpu", seed=4)
 
 
+def _gemm_bench_weight_gradients(rank, world):
+    import torch
+    from kernel_checks import blockwise_scaled_mm_stand_in
+    from script_modules import load_script
+    from titan_megamoe.kernels import backward
+
+    backward.scaled_mm = blockwise_scaled_mm_stand_in  # torch's runs on GPUs only
+    gemm_bench = load_script("gemm_bench")
+    case = gemm_bench.GemmCase("wgrad_w13", "test", 3, "fp8", 128, 0, False, True, m=256)
+    assert case.flops(205) == 2 * 205 * 256 * 128
+    ops = gemm_bench.make_token_operands(case, torch.tensor([5, 0, 200]), torch.device("cpu"),
+                                         torch.Generator().manual_seed(0))
+    want = gemm_bench.wgrad_reference(ops)
+    for impl in ("tl", "torch"):
+        outs = tuple(torch.full((3, 128, 128), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        gemm_bench.wgrad_impl(impl, case, ops, outs)()
+        got = torch.cat(outs, dim=1).float()
+        assert torch.equal(got[1], torch.zeros_like(got[1])), (impl, "an expert without rows")
+        for e in (0, 2):
+            error = float((got[e] - want[e]).norm() / want[e].norm())
+            assert error < 1e-2, (impl, e, error)
+
+
+def test_gemm_bench_weight_gradients_match_its_reference(monkeypatch):
+    """``scripts/gemm_bench.py``'s weight-gradient case (its token-major operands, its fp32
+    reference) against two of its implementations: the ``tl`` kernel and torch's
+    blockwise-scaled matmul (a CPU stand-in); the Gluon one runs on a GPU only."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run_ranks(_gemm_bench_weight_gradients, 1, timeout_s=600)
+
+
 def test_library_weight_gradients_match_wgrad_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_library_wgrad, 1, timeout_s=300)
