@@ -142,17 +142,24 @@ def _token_operand(cols, block_start, counts, generator):
     return q.cuda(), scales.cuda(), dequantized.cuda()
 
 
+@pytest.mark.parametrize("impl", ["gluon", "tl"])
 @pytest.mark.parametrize("m, n, split, counts, programs", [
     (256, 384, True, [0, 1, 127, 128, 129, 300, 0, 1024], None),
     (1536, 2048, True, [900, 1100, 0, 1300, 64, 1024, 1, 2000], None),
     (2048, 768, False, [513, 0, 255, 77, 1, 700, 128, 4096], 7),
 ])
-def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs):
-    """The weight gradients' GEMM, grouped along the tokens: each expert's output is the
-    fp32 product of its own token blocks of the dequantized operands; an expert without
-    tokens gets zeros; outputs poisoned first; two runs bit for bit; fewer programs
-    than tiles."""
+def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs, impl):
+    """The weight gradients' GEMM, grouped along the tokens, in each implementation the tile
+    table can name (``wgrad_kernel``): each expert's output is the fp32 product of its own
+    token blocks of the dequantized operands; an expert without tokens gets zeros; outputs
+    poisoned first; two runs bit for bit; fewer programs than tiles (Gluon)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from titan_megamoe.kernels import backward
+    from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
+    from titan_megamoe.precision import FP8_BLOCK
 
     generator = torch.Generator().manual_seed(torch.seed() % 2**31)
     blocks = torch.tensor([-(-c // 128) for c in counts])
@@ -165,7 +172,13 @@ def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs):
         shape = (experts, m // 2, n) if split else (experts, m, n)
         outs = tuple(torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                      for _ in range(2 if split else 1))
-        token_grouped_gemm(a, a_scale, b, b_scale, block_start.cuda(), outs, programs=programs)
+        if impl == "gluon":
+            token_grouped_gemm(a, a_scale, b, b_scale, block_start.cuda(), outs, programs=programs)
+        else:  # the tl kernel reads the scales column-major, with the tiles it ran before v43
+            tiles = dataclasses.replace(tile_config("sm90", FP8_BLOCK.name), **load_script("gemm_bench").TL_WGRAD_TILES)
+            layout = SimpleNamespace(shape=SimpleNamespace(local_experts=experts))
+            backward._quantized_wgrad(layout, tiles, FP8_BLOCK, block_start.cuda(), (a, a_scale.t().contiguous()),
+                                      (b, b_scale.t().contiguous()), outs)
         return torch.cat(outs, dim=1)
 
     out = run()
