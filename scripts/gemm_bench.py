@@ -389,17 +389,8 @@ def bench_wgrad_case(case: GemmCase, impls: list[str], tokens: int, top_k: int, 
         got = torch.cat(outs[0], dim=1).float()
         errors = [float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, ref) if r.abs().max() > 0]
         error = max(errors) if all(e == e for e in errors) else float("nan")
-        record = {"impl": impl, "rel_error": error}
-        if not error <= TOLERANCE["fp8"]:
-            say(f"  {impl}: WRONG: worst expert's relative error {error:.3g} > {TOLERANCE['fp8']:g}; not timed")
-            record["wrong"] = True
-            results.append(record)
-            continue
-        ms = median_ms(runs, iters)
-        tflops = flops / (ms * 1e-3) / 1e12
-        record.update(ms=ms, tflops=tflops, peak_share=tflops / peak["fp8"] if peak["fp8"] else None)
-        say(f"  {impl}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, error {error:.2e}")
-        results.append(record)
+        results.append(checked_and_timed(impl, error, TOLERANCE["fp8"], "worst expert's relative error", runs, iters,
+                                         flops, peak["fp8"], say))
     return [{**dataclasses.asdict(case), "rows": rows, "flops": flops, **r} for r in results]
 
 
@@ -421,6 +412,20 @@ def median_ms(runs: list, iters: int) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def checked_and_timed(name: str, error: float, bound: float, what: str, runs: list, iters: int, flops: int,
+                      peak_tflops: float | None, say) -> dict:
+    """One implementation's record: its error against fp32 (``what`` names the measure) and,
+    where that is within ``bound``, its median time and rate; a wrong one is not timed."""
+    record = {"impl": name, "rel_error": error}
+    if not error <= bound:
+        say(f"  {name}: WRONG: {what} {error:.3g} > {bound:g}; not timed")
+        return {**record, "wrong": True}
+    ms = median_ms(runs, iters)
+    tflops = flops / (ms * 1e-3) / 1e12
+    say(f"  {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, error {error:.2e}")
+    return {**record, "ms": ms, "tflops": tflops, "peak_share": tflops / peak_tflops if peak_tflops else None}
 
 
 def bench_case(case: GemmCase, impls: list[str], tokens: int, top_k: int, iters: int, sweep: bool,
@@ -464,17 +469,8 @@ def bench_case(case: GemmCase, impls: list[str], tokens: int, top_k: int, iters:
         error = relative_error(outs[0], reference(case, sets[0], layout, quantized=case.precision == "fp8"
                                                   and not rowwise), live)
         bound = ROWWISE_TOLERANCE if rowwise else TOLERANCE[case.precision]
-        record = {"impl": name, "rel_error": error}
-        if not error <= bound:
-            say(f"  {name}: WRONG: relative error {error:.3g} > {bound:g}; not timed")
-            record["wrong"] = True
-            results.append(record)
-            continue
-        ms = median_ms(runs, iters)
-        tflops = flops / (ms * 1e-3) / 1e12
-        record.update(ms=ms, tflops=tflops, peak_share=tflops / peak[case.precision] if peak[case.precision] else None)
-        say(f"  {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, error {error:.2e}")
-        results.append(record)
+        results.append(checked_and_timed(name, error, bound, "relative error", runs, iters, flops, peak[case.precision],
+                                         say))
     return [{**dataclasses.asdict(case), "rows": rows, "flops": flops, **r} for r in results]
 
 
