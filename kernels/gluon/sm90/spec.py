@@ -71,7 +71,9 @@ class TokenGemmSpec:
     stages: gl.constexpr
     mma_warpgroups: gl.constexpr
     two_b: gl.constexpr
+    """False: one B (read by the stage ring, as ``GemmSpec``'s)."""
     b_k_major: gl.constexpr
+    """True: B token-major, K-major (read by the stage ring)."""
 
     @gluon.constexpr_function
     def __init__(self, m, n, split_m, block_m, block_n, block_k, stages, mma_warpgroups):
