@@ -314,7 +314,7 @@ def runs_gluon_wgrad(tiles: TileConfig, fmt: Format, hidden: int, inter: int) ->
     where the row names it and it cannot, the log says so, once."""
     if tiles.wgrad_kernel != "gluon":
         return False
-    if fmt.name == "fp8_block" and fmt.activation_block[1] == FP8_BLOCK and hidden % FP8_BLOCK == inter % FP8_BLOCK == 0:
+    if fmt.name == "fp8_block" and hidden % FP8_BLOCK == inter % FP8_BLOCK == 0:
         return True
     _say_once(f"mega_moe fused: the tile row names the Gluon weight-gradient GEMM, which takes blockwise fp8 and "
               f"sizes that are multiples of {FP8_BLOCK}; {fmt.name} with hidden size {hidden} and intermediate size "

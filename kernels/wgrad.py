@@ -95,9 +95,10 @@ def token_major_kernel(
     """One token block x ``BLOCK_C`` columns of ``t`` (rows of ``STRIDE``, the first
     ``COLS`` read; e4m3 with scales when ``SCALE_K`` > 0) into ``out [COLS, KT]`` e4m3 and
     ``out_scales [COLS, KT / TOKEN_BLOCK]`` (``SCALES_BLOCK_MAJOR``: ``[KT / TOKEN_BLOCK,
-    COLS]``), each column of the block quantized with one scale. Program ``b * cdiv(COLS, BLOCK_C) + c``: column block ``c`` of token block ``b``
-    of the packed layout (programs running together read neighbouring columns of the
-    same rows); blocks past the last expert's are never read and left as they are."""
+    COLS]``), each column of the block quantized with one scale. Program ``b * cdiv(COLS,
+    BLOCK_C) + c``: column block ``c`` of token block ``b`` of the packed layout (programs
+    running together read neighbouring columns of the same rows); blocks past the last
+    expert's are never read and left as they are."""
     COL_BLOCKS: tl.constexpr = tl.cdiv(COLS, BLOCK_C)
     block = tl.program_id(0) // COL_BLOCKS
     col0 = tl.program_id(0) % COL_BLOCKS * BLOCK_C
