@@ -13,7 +13,9 @@ One call (all on the current stream; the host waits for the device only as step 
    them there, and waits only if the device has not yet run that kernel.
 2. ``dispatch_grad_gemm1_kernel``: expert inputs, ``dy`` rows and scores to the owners;
    GEMM1 recomputed (or read back from the forward's ``preact``), ``dy W2``, SwiGLU
-   backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts.
+   backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts. Where the
+   tile row says so (``grad1_kernel``) and GEMM1 was saved, it only dispatches, and the
+   Gluon core (``swiglu_grad_gemm``) computes the saved rows' tiles as they arrive.
 3. The dgrad rows GEMM (``forward.rows_gemm_combine``: ``rows_gemm_combine_kernel``, or
    the Gluon core and ``combine_release_kernel``): ``dab [W1 | W3]`` pushed to the source
    ranks' combine buffers, the score gradients to their ``score_grad``; COMBINE_READY.
@@ -52,6 +54,7 @@ from torch.nn.functional import ScalingType, scaled_mm
 
 from titan_megamoe.kernels.backward_dispatch_gemm1 import (
     ALL_TILES,
+    DISPATCH_ONLY,
     PAST_SAVED_TILES,
     SAVED_TILES,
     dispatch_grad_gemm1_kernel,
@@ -74,12 +77,18 @@ from titan_megamoe.kernels.forward import (
     weight_scale_rows,
     weights_in_bf16,
 )
-from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
+from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, ExpertLayout, GemmTiles
+from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import (
+    SWIGLU_GRAD_BLOCK_N,
+    ChunkFlags,
+    SwigluGradTensors,
+    swiglu_grad_gemm,
+)
 from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
+from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, NUM_BLOCKS, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
 from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
 from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
@@ -322,6 +331,25 @@ def runs_gluon_wgrad(tiles: TileConfig, fmt: Format, hidden: int, inter: int) ->
     return False
 
 
+def runs_gluon_grad1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden: int, inter: int,
+                     quantize_on_read: bool) -> bool:
+    """Whether the saved tiles of the backward's first kernel run the Gluon core
+    (``TileConfig.grad1_kernel``): the row names it, and it takes the operands (bf16 rows,
+    or blockwise fp8 ones whose ``[da | db]`` copy is scaled per 128 columns, as they
+    crossed) and the layer (sizes multiples of its tiles); where the row names it and it
+    cannot, the log says so, once."""
+    if tiles.grad1_kernel != "gluon":
+        return False
+    operands = fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
+    if operands and not quantize_on_read and inter % SWIGLU_GRAD_BLOCK_N == hidden % tiles.grad1_k == 0:
+        return True
+    _say_once(f"mega_moe fused: the tile row names the Gluon core for the backward's first kernel, which takes bf16 or "
+              f"blockwise fp8 rows as they crossed and an intermediate size that is a multiple of "
+              f"{SWIGLU_GRAD_BLOCK_N}; {fmt.name} on {dtype} rows (quantized as read: {quantize_on_read}) with "
+              f"intermediate size {inter} runs the tl kernel instead")
+    return False
+
+
 def runs_library_wgrad(tiles: TileConfig, per_expert: tuple[int, ...] | None, a_cols: int, b_cols: int) -> bool:
     """Whether the quantized weight gradient ``A_e^T B_e`` (``a_cols`` x ``b_cols`` per
     expert) runs ``_library_wgrad``: the tile row's ``wgrad_library_macs`` reached by the
@@ -533,9 +561,26 @@ def fused_backward(
         X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k, W2_AS_STORED=bool(tiles.w2_as_stored),
         num_warps=tiles.grad1_warps,
     )
-    first_kernel(TILES=(ALL_TILES if preact is None else SAVED_TILES).value,
-                 NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,
-                 EPILOGUE_PARTS=1 if preact is None else tiles.grad1_saved_parts, num_stages=stages)
+    if preact is not None and runs_gluon_grad1(tiles, fmt, shape.dtype, shape.hidden, shape.inter, quantize_on_read):
+        # Every program dispatches; the core's load warp waits for the rows it copies.
+        first_kernel(TILES=DISPATCH_ONLY.value, NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=num_programs,
+                     EPILOGUE_PARTS=1, num_stages=1)
+        swiglu_grad_gemm(
+            grad.recv_grad, w2_operand,
+            ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
+                         buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], tiles.block_m, buffers.capacity_rows),
+            ChunkFlags(buffers.flags, buffers.flag_ptrs, buffers.state, buffers.src_offset, buffers.src_rows,
+                       shape.rank, shape.ep, flags.chunk_ready, flags.max_chunks),
+            SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
+            GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
+            score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,
+            dy_scale=grad.recv_grad_scales, w2t_scale=w2_operand_scales, b_k_major=not tiles.w2_as_stored,
+            power_of_two=fmt.power_of_two, programs=num_programs,
+        )
+    else:
+        first_kernel(TILES=(ALL_TILES if preact is None else SAVED_TILES).value,
+                     NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,
+                     EPILOGUE_PARTS=1 if preact is None else tiles.grad1_saved_parts, num_stages=stages)
     if recompute_past_saved:
         # The tiles past the saved rows, if any arrived: GEMM1 recomputed and rounded as
         # the forward would have saved it, in tiles as wide (the score-gradient parts are

@@ -53,6 +53,9 @@ SAVED_TILES = tl.constexpr(1)
 """``TILES``: the tiles whose rows all lie below ``saved_rows``, GEMM1 read from ``preact``."""
 PAST_SAVED_TILES = tl.constexpr(2)
 """``TILES``: the others, GEMM1 recomputed and rounded as the forward saved it."""
+DISPATCH_ONLY = tl.constexpr(3)
+"""``TILES``: none: the rows dispatched alone (and ``ZERO_PADDING``'s zeros), where Hopper's
+Gluon core computes the saved tiles (``kernels.gluon.sm90.swiglu_grad_gemm``)."""
 
 
 @triton.jit
@@ -77,7 +80,8 @@ def dispatch_grad_gemm1_kernel(
     W2_AS_STORED: tl.constexpr, EPILOGUE_PARTS: tl.constexpr,
 ):
     """The tiles ``TILES`` names (``ALL_TILES``, ``SAVED_TILES``: those whose rows all lie
-    below the forward's ``saved_rows`` saved rows, ``PAST_SAVED_TILES``: the others), taken
+    below the forward's ``saved_rows`` saved rows, ``PAST_SAVED_TILES``: the others,
+    ``DISPATCH_ONLY``: none), taken
     from the state counter ``NEXT_TILE``. GEMM1 is read from ``preact`` for the saved
     tiles, else recomputed (past the saved ones, rounded to ``ACT_DTYPE`` as the forward
     would have saved it).
@@ -115,6 +119,11 @@ def dispatch_grad_gemm1_kernel(
                 EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, LINK_X_SCALE_K, LINK_GRAD_SCALE_K, POWER_OF_TWO,
                 LINK_X_ROUND_K,
             )
+
+    if TILES == DISPATCH_ONLY:
+        if ZERO_PADDING:
+            _zero_padding(recv, recv_grad, local_base, local_rows, local_experts, HIDDEN, ROW_ALIGN, BLOCK_K)
+        return
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
     # The tiles' virtual rows (``layout``): the saved ones are a prefix.
@@ -206,6 +215,25 @@ def dispatch_grad_gemm1_kernel(
                     tl.store(recv + at_x, zero, mask=zmask)
                     tl.store(recv_grad + at_x, zero, mask=zmask)
         tile = next_tile
+
+
+@triton.jit
+def _zero_padding(recv, recv_grad, local_base, local_rows, local_experts, HIDDEN: tl.constexpr,
+                  ROW_ALIGN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Zero the received rows of ``x`` and ``dy`` past each local expert's end up to its
+    alignment (``ZERO_PADDING``), an expert per program: no dispatch writes them."""
+    pad = tl.arange(0, ROW_ALIGN)
+    ks = tl.arange(0, BLOCK_K)
+    zero = tl.zeros((ROW_ALIGN, BLOCK_K), dtype=recv.dtype.element_ty)
+    for le in range(tl.program_id(0), local_experts, tl.num_programs(0)):
+        count = tl.load(local_rows + le)
+        rows = (tl.load(local_base + le) + count + pad).to(tl.int64)
+        padding = count + pad < (count + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        for c0 in range(0, HIDDEN, BLOCK_K):
+            at = rows[:, None] * HIDDEN + c0 + ks[None, :]
+            mask = padding[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
+            tl.store(recv + at, zero, mask=mask)
+            tl.store(recv_grad + at, zero, mask=mask)
 
 
 @triton.jit

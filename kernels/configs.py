@@ -14,7 +14,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 ROWS_GEMM_KERNELS = ("tl", "gluon")
 """Implementations of the rows GEMMs (GEMM2, dgrad: ``TileConfig.gemm2_kernel``) and of the
-quantized weight gradients (``TileConfig.wgrad_kernel``)."""
+quantized weight gradients (``TileConfig.wgrad_kernel``), and of the backward's first kernel's saved tiles
+(``TileConfig.grad1_kernel``)."""
 
 
 class RowsGemmTiles(NamedTuple):
@@ -153,6 +154,14 @@ class TileConfig:
     over each half of a tile's ``grad1_saved_n`` columns in turn (2), so that one half's
     temporaries, not the whole tile's, sit in registers beside the ``dy W2`` accumulator
     (a half must hold whole scale blocks)."""
+    grad1_kernel: str = "tl"
+    """What runs the backward's first kernel's tiles where GEMM1 was saved: ``"tl"``
+    (``dispatch_grad_gemm1_kernel``, which also dispatches the rows) or ``"gluon"``,
+    Hopper's core (``kernels.gluon.sm90.swiglu_grad_gemm``: 128 x ``grad1_saved_n`` (128)
+    tiles of two consumer warpgroups, ``grad1_k`` deep, ``grad1_saved_stages`` stages),
+    after ``dispatch_grad_gemm1_kernel`` has dispatched them. The core takes bf16 or
+    blockwise e4m3 operands; other operands, and GEMM1 recomputed, run ``"tl"``, and the
+    log says so."""
     gemm1_claim_ahead: int = 0
     """1: each GEMM1 program claims its next tile from the tile counter before its
     mainloop, which then hides the atomic's round trip; 0: after the tile's stores (the
@@ -200,6 +209,11 @@ class TileConfig:
         if self.wgrad_kernel == "gluon" and (self.wgrad_m, self.wgrad_n, self.wgrad_k) != (128, 128, 128):
             raise ValueError(f"wgrad_kernel = 'gluon' takes 128 x 128 tiles, one 128-token block per K step: wgrad_m, "
                              f"wgrad_n, wgrad_k = {self.wgrad_m}, {self.wgrad_n}, {self.wgrad_k} must be 128")
+        if self.grad1_kernel not in ROWS_GEMM_KERNELS:
+            raise ValueError(f"grad1_kernel = {self.grad1_kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
+        if self.grad1_kernel == "gluon" and self.grad1_saved_n != 128:
+            raise ValueError(f"grad1_kernel = 'gluon' takes tiles 128 columns wide: grad1_saved_n = "
+                             f"{self.grad1_saved_n} must be 128")
         if self.dgrad_kernel == "gluon" and self.w13_as_stored_rows:
             raise ValueError("dgrad_kernel = 'gluon' reads [W1 | W3] transposed: w13_as_stored_rows must be 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):
@@ -372,7 +386,8 @@ def check_table(table: dict[tuple[str, str], TileConfig]) -> None:
     """Raise where a row names an implementation its architecture cannot run."""
     for (arch, fmt_name), row in table.items():
         for phase, kernel in (("a rows GEMM", row.gemm2.kernel), ("a rows GEMM", row.dgrad.kernel),
-                              ("the weight gradients", row.wgrad_kernel)):
+                              ("the weight gradients", row.wgrad_kernel),
+                              ("the backward's first kernel", row.grad1_kernel)):
             if kernel == "gluon" and arch not in GLUON_ARCHS:
                 raise ValueError(f"tile row ({arch}, {fmt_name}) runs {phase} on the Gluon core, which is written "
                                  f"for {', '.join(GLUON_ARCHS)} only")

@@ -163,7 +163,7 @@ _TRAP = tl.constexpr(not INTERPRET)
 POLL_NS_INTERPRETED = 1_000_000
 """The interpreter has no clock: each poll there counts as this many nanoseconds."""
 _POLL_NS = tl.constexpr(POLL_NS_INTERPRETED)
-_POLLS_PER_CHECK = tl.constexpr(64)
+POLLS_PER_CHECK = tl.constexpr(64)
 """Flag polls between reads of the clock and the ABORT words while waiting."""
 
 
@@ -218,7 +218,7 @@ class FlagLayout:
 
 
 @triton.jit
-def _now(polls):
+def now_ns(polls):
     """Nanoseconds on the GPU's global timer (the interpreter: polls so far, scaled)."""
     if _USE_CLOCK:
         return tl.inline_asm_elementwise(
@@ -249,7 +249,7 @@ def fail(code, index, seen, expected, flags, flag_ptrs, state, rank, ep):
     """Record why this rank fails (first failure only), tell every rank through its
     ABORT word, and stop (see the module docstring)."""
     status = tl.load(state + STATUS_ADDR).to(tl.pointer_type(tl.int64))
-    zero = tl.full([], 0, tl.int64)  # compare-and-swap wants the words' own type
+    zero = tl.cast(0, tl.int64)  # compare-and-swap wants the words' own type (both dialects: a scalar)
     word = zero + code
     if tl.atomic_cas(status + CLAIM, zero, zero + 1, sem="relaxed", scope="sys") == 0:
         tl.store(status + RANK, rank)
@@ -288,15 +288,15 @@ def wait_all(waited, ids, mask, target, code, flags, flag_ptrs, state, rank, ep,
     if (pending > 0) & (tl.max(aborts) == 0):
         timeout = tl.load(state + TIMEOUT_NS)
         polls = 0
-        start = _now(polls)
+        start = now_ns(polls)
         elapsed = start - start
         while (pending > 0) & (tl.max(aborts) == 0) & (elapsed < timeout):
             seen = tl.load(waited, mask=mask, other=0, volatile=True)
             pending = tl.sum((mask & (seen != target)).to(tl.int32))
             polls += 1
-            if polls % _POLLS_PER_CHECK == 0:
+            if polls % POLLS_PER_CHECK == 0:
                 aborts = tl.load(flags + ABORT + peers, mask=peers < ep, other=0, volatile=True)
-                elapsed = _now(polls) - start
+                elapsed = now_ns(polls) - start
     if tl.max(aborts) != 0:
         culprit = tl.min(tl.where(aborts != 0, peers, EP_PAD))
         culprit_code = tl.max(tl.where(peers == culprit, aborts, 0))

@@ -13,7 +13,9 @@ exceeds the architecture's limit cannot launch; spills cost time (and, on first 
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
 ``--gluon`` compiles the Gluon grouped GEMM core instead, at the layer's four row GEMMs with
-its default tiles and (fp8) at the weight gradients dW1 and dW3, grouped along the tokens, and records what the machine code shows of its warp specialization:
+its default tiles, at the backward's first GEMM with its SwiGLU-backward epilogue (the
+tile table's tiles) and (fp8) at the weight gradients dW1 and dW3, grouped along the
+tokens, and records what the machine code shows of its warp specialization:
 register reallocations (``setmaxnreg``), TMA loads and the wgmma groups each wait leaves
 in flight.
 
@@ -210,6 +212,7 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
                      a_scale=scales[0], b_scale=scales[1], b_k_major=case.b_k_major,
                      epilogue="swiglu" if case.two_b else "store", programs=PROGRAMS)
         compiled += [{**r, "kernel": f"gluon {gemm}"} for r in records]
+    compiled += _compile_swiglu_grad(shape, local, layout, dtype, records)
     if fp8:  # the weight gradients dW1 and dW3: grouped along the tokens
         from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
 
@@ -224,6 +227,36 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
                                               for _ in range(2)), programs=PROGRAMS)
         compiled += [{**r, "kernel": "gluon wgrad"} for r in records]
     return compiled
+
+
+def _compile_swiglu_grad(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
+    """The backward's first GEMM on the core (``swiglu_grad_gemm``) with the tiles the table
+    gives it, every row saved: fp8 on W2 transposed, bf16 on W2 as stored."""
+    from titan_megamoe.kernels.configs import tile_config
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
+    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import ChunkFlags, SwigluGradTensors, swiglu_grad_gemm
+    from titan_megamoe.kernels.sync import STATE_WORDS
+
+    layer, fp8 = SHAPES[shape], dtype == torch.float8_e4m3fn
+    hidden, inter = layer.hidden, layer.inter
+    row = tile_config("sm90", "fp8_block" if fp8 else "native")
+    rows = layout.rows + 128
+    w2t = torch.zeros((local, inter, hidden) if fp8 else (local, hidden, inter), dtype=dtype)
+    chunks = ChunkFlags(torch.zeros(4096, dtype=torch.int64), torch.zeros(EP, dtype=torch.int64),
+                        torch.zeros(STATE_WORDS, dtype=torch.int64), torch.zeros(EP, local, dtype=torch.int32),
+                        torch.zeros(EP, local, dtype=torch.int32), rank=0, ep=EP, chunk_ready=64, max_chunks=8)
+    outs = SwigluGradTensors(
+        torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows), torch.empty(rows, 2 * inter,
+        dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16), torch.empty(rows, inter // 128),
+        torch.empty(rows, 2 * inter, dtype=dtype) if fp8 else None, torch.empty(rows, 2 * inter // 128) if fp8 else None)
+    records.clear()
+    swiglu_grad_gemm(torch.zeros(rows, hidden, dtype=dtype), w2t, layout, chunks, outs,
+                     GemmTiles(row.grad1_saved_n, row.grad1_k, row.grad1_saved_stages),
+                     saved_m=row.grad1_m, score_before_experts=False, row_align=32,
+                     dy_scale=torch.ones(rows, hidden // 128) if fp8 else None,
+                     w2t_scale=torch.ones(local, inter // 128, hidden // 128) if fp8 else None, b_k_major=fp8,
+                     programs=PROGRAMS)
+    return [{**r, "kernel": "gluon swiglu_grad"} for r in records]
 
 
 def main(argv=None) -> int:

@@ -633,6 +633,16 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
     spec = get_precision(precision)
     row = ("interpret", spec.forward.name)
     configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], **tile_changes)
+    if tile_changes.get("grad1_kernel") == "gluon":
+        # The saved tiles of the backward's first kernel on the Gluon core: its contract in
+        # torch stands in for it, around the tl kernel's dispatch alone and its tiles past
+        # the saved rows.
+        from gluon_stand_ins import swiglu_grad_gemm
+
+        from titan_megamoe.kernels import backward
+
+        core_calls = []
+        backward.swiglu_grad_gemm = lambda *args, **kwargs: core_calls.append(swiglu_grad_gemm(*args, **kwargs))
     # Skewed tokens, all on expert 0: more than one token block of the quantized weight
     # gradients (128 for fp8, 32 for MX) and than one receive block.
     token_block = spec.wgrad.activation_block[1] if spec.wgrad.quantized else 0
@@ -655,7 +665,10 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
         dy = torch.randn(num_tokens, hidden, generator=g)
         poison_fused_buffers()
         y, counts, *kept = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
+        calls_before = len(core_calls) if tile_changes.get("grad1_kernel") == "gluon" else None
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, *kept, None, score_before, settings)
+        if calls_before is not None:
+            assert len(core_calls) == calls_before + save, "the Gluon first kernel ran where GEMM1 was not saved"
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
         case = (precision, tile_changes, num_tokens, routing, score_before, save)
@@ -675,9 +688,11 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 # gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows,
 # experts 32-row aligned);
 # and both MX precisions with every operand held in bf16 (the rows mxfp8_wgrad_bf16 resends
-# unrounded rounded as the GEMMs read them).
+# unrounded rounded as the GEMMs read them); fp8 with the backward's first kernel on the
+# Gluon core (stood in for: the host's launches around it).
 @pytest.mark.parametrize("precision, tile_changes",
                          [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
+                          ("fp8", {"grad1_kernel": "gluon", "grad1_saved_n": 128}),
                           ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
                           ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),
                           ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),

@@ -191,3 +191,121 @@ def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs, impl):
         error = float((out[e].float() - ref).norm() / ref.norm())
         assert error <= 1e-2, (e, error)  # fp32 accumulation, bf16 output
     assert torch.equal(run(), out), "two runs differ"
+
+
+@pytest.mark.parametrize("precision, w2_as_stored, score_before, saved_part, programs", [
+    ("bf16", True, False, 1.0, None),   # the bf16 row's form: W2 as stored, an N-major B
+    ("bf16", False, True, 1.0, None),
+    ("fp8", False, False, 1.0, None),
+    ("fp8", False, True, 1.0, 7),
+    ("bf16", True, False, 0.5, 5),      # GEMM1 saved for some rows only: the tiles past them are the tl kernel's
+    ("fp8", False, False, 0.5, None),
+])
+def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, saved_part, programs):
+    """The backward's first GEMM on the core against fp32 of the same operands: ``[da | db]``
+    (and its e4m3 copy), ``h_wgrad`` and the score-gradient parts of every saved row, zeros
+    in each expert's padding rows, nothing written past them or past the saved rows' tiles;
+    one source whose chunks have all arrived (``ChunkFlags``); twice bit for bit."""
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
+    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import ChunkFlags, SwigluGradTensors, swiglu_grad_gemm
+    from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+    from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
+    from titan_megamoe.precision import get_precision
+
+    hidden, inter, saved_m, align = 512, 384, 64, 32
+    counts = torch.tensor(COUNTS, device="cuda")
+    experts = len(COUNTS)
+    layout = ExpertLayout.from_counts(counts, block_m=128, row_align=align)
+    rows = layout.rows + 128
+    generator = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    dy = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    w2t = (torch.randn(experts, inter, hidden, device="cuda", generator=generator) / hidden**0.5).bfloat16()
+    preact = (2 * torch.randn(rows, 2 * inter, device="cuda", generator=generator)).bfloat16()
+    score = torch.rand(rows, device="cuda", generator=generator)
+    fp8 = precision == "fp8"
+    fmt = get_precision("fp8").dgrad
+    if fp8:
+        dy_q, dy_scale = quantize_rows(dy, 128, fmt.power_of_two)
+        ((w2t_q, w2t_scale),) = quantize_weights([w2t], fmt)
+        dy_ref = (dy_q.float().view(rows, -1, 128) * dy_scale[:, :, None]).view(rows, hidden)
+        w2t_ref = (w2t_q.float().view(experts, inter // 128, 128, hidden // 128, 128)
+                   * w2t_scale[:, :, None, :, None]).view(experts, inter, hidden)
+    else:
+        dy_q, dy_scale, w2t_q, w2t_scale = dy, None, w2t, None
+        dy_ref, w2t_ref = dy.float(), w2t.float()
+    w2_operand = w2t_q.transpose(1, 2).contiguous() if w2_as_stored else w2t_q
+    base, local_rows = layout.local_base.long(), counts.long()
+    # Saved rows: every row, or into the 1,024-row expert's: 64 rows of it (one tl tile)
+    # and 10 more, so its first block is half the core's and half the tl kernel's.
+    deep = COUNTS.index(1024)
+    saved_rows = rows if saved_part == 1.0 else int(base[deep]) + saved_m + 10
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device="cuda")
+    state[EPOCH.value] = 3
+    max_chunks = int(-(-counts.max() // 128))
+    chunk_ready = 8
+    flags = torch.zeros(chunk_ready + experts * max_chunks, dtype=torch.int64, device="cuda")
+    flags[chunk_ready:] = 3  # every chunk arrived in this call (epoch 3)
+    chunks = ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
+                        torch.zeros(experts, dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0, ep=1,
+                        chunk_ready=chunk_ready, max_chunks=max_chunks)
+
+    def run():
+        nan = float("nan")
+        outs = SwigluGradTensors(
+            preact[:saved_rows], score, torch.full((rows, 2 * inter), nan, device="cuda", dtype=torch.bfloat16),
+            torch.full((rows, inter), nan, device="cuda", dtype=torch.bfloat16),
+            torch.full((rows, inter // 128), nan, device="cuda"),
+            torch.full((rows, 2 * inter), nan, device="cuda").to(torch.float8_e4m3fn) if fp8 else None,
+            torch.full((rows, 2 * inter // 128), nan, device="cuda") if fp8 else None)
+        swiglu_grad_gemm(dy_q, w2_operand, layout, chunks, outs, GemmTiles(128, 128 if fp8 else 64, 4),
+                         saved_m=saved_m, score_before_experts=score_before, row_align=align, dy_scale=dy_scale,
+                         w2t_scale=w2t_scale, b_k_major=not w2_as_stored, power_of_two=fmt.power_of_two,
+                         programs=programs)
+        return outs
+
+    outs = run()
+    # The rows each tile stores: its expert's and their padding, in the tiles below the saved rows' end.
+    row = torch.arange(rows, device="cuda")
+    expert = torch.searchsorted(base, row, right=True) - 1
+    within = row - base[expert]
+    live = within < local_rows[expert]
+    owned = within < (local_rows[expert] + align - 1) // align * align
+    virtual = layout.block_base.long()[expert] + within
+    saved_end = layout.block_base.long() + torch.where(base + local_rows <= saved_rows, 2**40,
+                                                        (saved_rows - base).clamp_min(0) // saved_m * saved_m)
+    stored_by_core = owned & (virtual < saved_end[expert])
+    d = torch.zeros(rows, inter, device="cuda")
+    for e in range(experts):
+        mine = expert == e
+        d[mine] = dy_ref[mine] @ w2t_ref[e].T
+    g, u = preact.float().split(inter, dim=1)
+    sig = torch.sigmoid(g)
+    h = g * sig * u
+    s = torch.ones_like(score) if score_before else score
+    da = torch.where(live[:, None], d * s[:, None] * u * sig * (1 + g * (1 - sig)), 0.0)
+    db = torch.where(live[:, None], d * s[:, None] * g * sig, 0.0)
+    h_wgrad = torch.where(live[:, None], h * s[:, None], 0.0)
+    parts = (h * d).view(rows, inter // 128, 128).sum(-1)
+
+    def check(name, got, want, rows_checked):
+        got, want = got[rows_checked].float(), want[rows_checked]
+        assert got.isfinite().all(), f"{name}: a stored row is not finite"
+        error = ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-3)).max().item()
+        assert error <= ROW_TOLERANCE, (name, error)
+
+    check_rows = stored_by_core & live
+    assert stored_by_core.any() and (~stored_by_core & owned).any() == (saved_part < 1.0)
+    check("[da | db]", outs.dab, torch.cat([da, db], dim=1), check_rows)
+    check("h_wgrad", outs.h_wgrad, h_wgrad, check_rows)
+    check("score parts", outs.score_parts, parts, check_rows)
+    padding = stored_by_core & ~live
+    assert (outs.dab[padding] == 0).all() and (outs.h_wgrad[padding] == 0).all(), "padding rows not zeroed"
+    assert not outs.dab[~stored_by_core].isfinite().any(), "a row the core does not own was written"
+    assert not outs.h_wgrad[~stored_by_core].isfinite().any(), "a row the core does not own was written"
+    if fp8:
+        q = outs.dab_q[stored_by_core].float().view(-1, 2 * inter // 128, 128)
+        dequantized = (q * outs.dab_scales[stored_by_core][:, :, None]).view(-1, 2 * inter)
+        check("[da | db] e4m3", dequantized, outs.dab[stored_by_core].float(), live[stored_by_core])
+    again = run()
+    assert torch.equal(again.dab.nan_to_num(), outs.dab.nan_to_num()), "two runs differ"
+    assert torch.equal(again.score_parts.nan_to_num(), outs.score_parts.nan_to_num()), "two runs differ"

@@ -12,7 +12,8 @@ One persistent kernel, three kinds of partition, each in its own module:
   128-deep K block's partial product into the accumulator while the next block's MMA
   runs. Then each runs the tile's epilogue on its rows.
 - ``epilogue``: what a consumer does with a finished tile (``EPILOGUES``): store the rows,
-  or SwiGLU of two accumulators into ``h``.
+  or SwiGLU of two accumulators into ``h``; the backward's first GEMM has its own
+  (``swiglu_backward_rows``), which reads more than the accumulator.
 
 Synchronisation protocol (per program; ``s`` = step % STAGES, phase = (step // STAGES) & 1,
 ``step`` counting K steps over all of the program's tiles, identically in every partition):
@@ -29,4 +30,8 @@ passed the MMA wait before it (the wait is warpgroup-wide), so the stage is free
 ``grouped_gemm`` is the kernel and its host launcher. ``token_grouped_gemm`` runs the same
 partitions on a schedule grouped along K (``schedule.TokenBlockTiles``: the weight
 gradients, each expert contracting its own token blocks), with the same protocol.
+``swiglu_grad_gemm`` is the backward's first GEMM: its load warp waits for the rows the
+dispatch is still bringing (``arrivals``: before a tile's first copy, every chunk its rows
+come from at the call's epoch, as ``kernels.sync`` specifies), and its consumers run the
+SwiGLU backward as the epilogue (``epilogue.swiglu_backward_rows``).
 """

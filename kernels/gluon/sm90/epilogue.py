@@ -11,6 +11,9 @@ tile's first column.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+
+from titan_megamoe.kernels.quantize import e4m3_scale
 
 
 @gluon.constexpr_function
@@ -72,3 +75,139 @@ def swiglu_rows(acc, acc2, out, dest, live, n0):
 
 EPILOGUES = {"store": store_rows, "swiglu": swiglu_rows}
 """Epilogues by name (``grouped_gemm(epilogue=...)``)."""
+
+
+# Triton 3.6 names the partition-wide barrier thread_barrier; later releases name it barrier.
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@aggregate
+class SwigluGradOutputs:
+    """What the backward's first GEMM reads beside ``d = dy W2`` and what it stores, by row
+    of the receive layout: GEMM1's saved pre-activations ``preact [rows, 2I]`` (gate | up)
+    and the rows' ``score``; ``dab = [da | db]`` ``[rows, 2I]``; ``h_wgrad [rows, I]``
+    (``score * h``, or ``h``) for ``dW2``; ``score_parts [rows, I / BLOCK_N]``, each tile's
+    ``<h, d>`` over its columns. With ``scale_k`` (128) the epilogue also takes the e4m3
+    copy of ``dab`` for the dgrad GEMM (``swiglu_backward_rows``'s ``dab_q``)."""
+
+    preact: gl.tensor
+    score: gl.tensor
+    dab: gl.tensor
+    h_wgrad: gl.tensor
+    score_parts: gl.tensor
+    inter: gl.constexpr
+    score_before_experts: gl.constexpr
+    """The score scaled the expert input: ``dh = d`` and ``h_wgrad = h``."""
+    scale_k: gl.constexpr
+    """Columns per scale of ``dab_q`` (the tile's width), or 0: no e4m3 copy."""
+    power_of_two: gl.constexpr
+    row_align: gl.constexpr
+    """Each expert's rows start on a multiple of it; its padding rows up to the next are
+    stored as zeros."""
+
+    @gluon.constexpr_function
+    def __init__(self, preact, score, dab, h_wgrad, score_parts, inter, score_before_experts, scale_k, power_of_two,
+                 row_align):
+        self.preact = preact
+        self.score = score
+        self.dab = dab
+        self.h_wgrad = h_wgrad
+        self.score_parts = score_parts
+        self.inter = gl.constexpr(inter)
+        self.score_before_experts = gl.constexpr(score_before_experts)
+        self.scale_k = gl.constexpr(scale_k)
+        self.power_of_two = gl.constexpr(power_of_two)
+        self.row_align = gl.constexpr(row_align)
+
+
+SWIGLU_GRAD_PARTS = gl.constexpr(4)
+"""Column parts of the backward's first GEMM's epilogue, formed one after the other."""
+
+
+@gluon.jit
+def _swiglu_backward_part(d, rows, live, owned, score, c0, outs):
+    """The SwiGLU backward of ``rows`` over intermediate columns ``c0 ..`` (``d``'s width):
+    stores their ``[da | db]`` and ``h_wgrad`` (zeros in the ``owned`` rows past the ``live``
+    ones) and returns each row's ``<h, d>`` and largest ``|da|``, ``|db|`` as stored. Formed
+    as ``backward_dispatch_gemm1._swiglu_backward`` forms them."""
+    layout: gl.constexpr = d.type.layout
+    inter: gl.constexpr = outs.inter
+    cols = c0 + gl.arange(0, d.shape[1], layout=gl.SliceLayout(0, layout))
+    at = rows.to(gl.int64)[:, None] * (2 * inter) + cols[None, :]
+    g = gl.load(outs.preact + at, mask=live[:, None], other=0.0).to(gl.float32)
+    u = gl.load(outs.preact + at + inter, mask=live[:, None], other=0.0).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * sig
+    h = silu * u
+    part = gl.sum(h * d, axis=1)
+    if outs.score_before_experts:
+        dh = d
+    else:
+        dh = d * score[:, None]
+        h = h * score[:, None]
+    keep = live[:, None]
+    stored = outs.dab.dtype.element_ty
+    da = gl.where(keep, dh * u * sig * (1.0 + g * (1.0 - sig)), 0.0).to(stored)
+    db = gl.where(keep, dh * silu, 0.0).to(stored)
+    gl.store(outs.dab + at, da, mask=owned[:, None])
+    gl.store(outs.dab + at + inter, db, mask=owned[:, None])
+    at_h = rows.to(gl.int64)[:, None] * inter + cols[None, :]
+    gl.store(outs.h_wgrad + at_h, gl.where(keep, h, 0.0).to(stored), mask=owned[:, None])
+    return part, gl.max(gl.abs(da.to(gl.float32)), axis=1), gl.max(gl.abs(db.to(gl.float32)), axis=1)
+
+
+@gluon.jit
+def _quantize_part(dab, dab_q, at, owned, multiplier):
+    """``dab_q[at] = dab[at] * multiplier`` in e4m3, per row, for the values this thread
+    stored into ``dab`` (read back: holding every part's ``[da | db]`` until the last one is
+    formed would spill)."""
+    vals = gl.load(dab + at, mask=owned[:, None], other=0.0).to(gl.float32)
+    gl.store(dab_q + at, (vals * multiplier[:, None]).to(gl.float8e4nv), mask=owned[:, None])
+
+
+@gluon.jit
+def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, n0):
+    """The backward's first GEMM's epilogue on one consumer warpgroup's 64 rows from
+    ``rows0`` of a tile (``acc = dy W2`` over its ``BLOCK_N`` columns from ``n0``; rows from
+    ``row_end`` on belong to the next expert or its padding): ``acc`` goes through
+    ``staging`` (the warpgroup's ``[64, BLOCK_N]`` fp32 shared memory) so that each of
+    ``SWIGLU_GRAD_PARTS`` column parts is formed with one part's temporaries live; with
+    ``scale_k`` the tile is one scale block of ``da`` and one of ``db``, quantized once every
+    part is stored into ``dab_q`` (e4m3) and ``dab_scales [rows, 2I / scale_k]``."""
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    PART_N: gl.constexpr = BLOCK_N // SWIGLU_GRAD_PARTS
+    layout: gl.constexpr = store_layout(PART_N, 4)
+    inter: gl.constexpr = outs.inter
+    rows = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    live = rows < row_end
+    owned = rows < (row_end + outs.row_align - 1) // outs.row_align * outs.row_align
+    if outs.score_before_experts:
+        score = 0.0
+    else:
+        score = gl.load(outs.score + rows, mask=live, other=0.0)
+    staging.store(acc)
+    thread_barrier()
+    part = gl.zeros([64], gl.float32, gl.SliceLayout(1, layout))
+    amax_a = part
+    amax_b = part
+    for j in gl.static_range(SWIGLU_GRAD_PARTS):
+        d = staging.slice(j * PART_N, PART_N, dim=1).load(layout)
+        part_j, amax_a_j, amax_b_j = _swiglu_backward_part(d, rows, live, owned, score, n0 + j * PART_N, outs)
+        part += part_j
+        amax_a = gl.maximum(amax_a, amax_a_j)
+        amax_b = gl.maximum(amax_b, amax_b_j)
+    gl.store(outs.score_parts + rows.to(gl.int64) * (inter // BLOCK_N) + n0 // BLOCK_N, part, mask=live)
+    if outs.scale_k > 0:
+        gl.static_assert(outs.scale_k == BLOCK_N, "a tile is one scale block of da and one of db")
+        scale_a, multiplier_a = e4m3_scale(amax_a, outs.power_of_two)
+        scale_b, multiplier_b = e4m3_scale(amax_b, outs.power_of_two)
+        cols = n0 + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
+        at = rows.to(gl.int64)[:, None] * (2 * inter) + cols[None, :]
+        for j in gl.static_range(SWIGLU_GRAD_PARTS):
+            _quantize_part(outs.dab, dab_q, at + j * PART_N, owned, multiplier_a)
+            _quantize_part(outs.dab, dab_q, at + inter + j * PART_N, owned, multiplier_b)
+        at_s = dab_scales + rows.to(gl.int64) * (2 * inter // BLOCK_N) + n0 // BLOCK_N
+        gl.store(at_s, scale_a, mask=owned)
+        gl.store(at_s + inter // BLOCK_N, scale_b, mask=owned)
+    # The next tile's accumulator overwrites the staging buffer.
+    thread_barrier()

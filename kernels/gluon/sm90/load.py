@@ -4,6 +4,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from titan_megamoe.kernels.sync import EPOCH
+
 # Triton 3.6 (what torch 2.11 pins) names the TMA load async_copy_global_to_shared; later
 # releases name it async_load and make the old name raise.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -38,6 +40,30 @@ def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
             tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
             if spec.two_b:
                 tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
+            step += 1
+
+
+@gluon.jit
+def load_arrived_rows(a_desc, b_desc, ring, tiles, arrivals, virtual_end, spec):
+    """``load_partition`` for one B over the tiles of the blocks below virtual row
+    ``virtual_end``, each tile's A rows copied only once they have arrived
+    (``arrivals.wait_rows``: the rows another kernel, or other ranks, are still
+    dispatching)."""
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    epoch = gl.load(arrivals.state + EPOCH)
+    step = 0
+    for t in range(gl.program_id(0), tiles.count_below(virtual_end, spec), gl.num_programs(0)):
+        expert, row0, _, n0 = tiles.tile(t, spec, WARPS=LOAD_WARPS)
+        arrivals.wait_rows(expert, gl.load(tiles.local_base + expert), row0, tiles.local_experts, epoch,
+                           BLOCK_M=spec.block_m, WARPS=LOAD_WARPS)
+        for k in range(0, spec.k, spec.block_k):
+            s, ready = ring.fill(step, spec)
+            mbarrier.expect(ready, stage_bytes)
+            tma_load(a_desc, [row0, k], ready, ring.a.index(s))
+            if spec.b_k_major:
+                tma_load(b_desc, [expert * spec.n + n0, k], ready, ring.b.index(s))
+            else:
+                tma_load(b_desc, [expert * spec.k + k, n0], ready, ring.b.index(s))
             step += 1
 
 

@@ -18,7 +18,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from titan_megamoe.kernels.gluon.sm90.epilogue import row_origins, row_starts, store_layout, store_rows
+from titan_megamoe.kernels.gluon.sm90.epilogue import (
+    row_origins,
+    row_starts,
+    store_layout,
+    store_rows,
+    swiglu_backward_rows,
+)
 
 MMA_ROWS = gl.constexpr(64)
 """Rows of a tile per consumer warpgroup (one m64 wgmma)."""
@@ -37,7 +43,7 @@ def mma_layout(block_n, element_bits):
 
 
 @gluon.jit
-def _mainloop(ring, step, acc, acc2, spec, WARPGROUP: gl.constexpr):
+def mainloop(ring, step, acc, acc2, spec, WARPGROUP: gl.constexpr):
     """Unscaled operands: ``acc = A B^T`` (and ``acc2 = A B2^T``) over the tile's K steps,
     one step's MMAs in flight while the previous step's stage is released."""
     for k in range(spec.k // spec.block_k):
@@ -104,7 +110,7 @@ def _promoted_chunk(acc, spare, first_spare, ring, step, a_scales, b_scales, liv
 
 
 @gluon.jit
-def _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+def promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
                        WARPGROUP: gl.constexpr):
     """Blockwise fp8: ``acc = sum_k (A_k B_k^T) * a_scale[:, k] * b_scale[k]`` over the
     tile's 128-deep K blocks. ``a_scale [rows, K / 128]``, ``b_scale [experts, N / 128,
@@ -156,13 +162,38 @@ def mma_partition(ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank
         origin = row_origins(rows, live, row_origin, spec.combine)
         acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
         if spec.scale_k > 0:
-            acc, step = _promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+            acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
                                            WARPGROUP=WARPGROUP)
             acc2 = acc
         else:
-            acc, acc2, step = _mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+            acc, acc2, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
         dest = row_starts(origin, live, out, out_ptrs, rank, rows_per_rank, spec.n, spec.combine)
         spec.epilogue(acc, acc2, out, dest, live, n0)
+
+
+@gluon.jit
+def swiglu_grad_mma_partition(ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end, spec,
+                              WARPGROUP: gl.constexpr):
+    """Consumer warpgroup ``WARPGROUP`` of the backward's first GEMM: for each tile of the
+    blocks below virtual row ``virtual_end``, ``d = dy W2`` over its 64 rows (one B,
+    ``mainloop`` or ``promoted_mainloop``), then the SwiGLU backward on them
+    (``epilogue.swiglu_backward_rows``, through the warpgroup's ``staging``) where they lie
+    below ``virtual_end`` (past it, where a block straddles it, another kernel owns them)."""
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    n_tiles: gl.constexpr = spec.n // spec.block_n
+    gl.static_assert(not spec.two_b, "one B: W2 per expert")
+    step = 0
+    for t in range(gl.program_id(0), tiles.count_below(virtual_end, spec), gl.num_programs(0)):
+        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
+        acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+        if spec.scale_k > 0:
+            acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                                          WARPGROUP=WARPGROUP)
+        else:
+            acc, _, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+        if (t // n_tiles) * spec.block_m + WARPGROUP * MMA_ROWS < virtual_end:
+            swiglu_backward_rows(acc, staging.index(WARPGROUP), outs, dab_q, dab_scales, row0 + WARPGROUP * MMA_ROWS,
+                                 row_end, n0)
 
 
 @gluon.jit

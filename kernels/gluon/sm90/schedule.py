@@ -57,6 +57,28 @@ class ExpertTiles:
         row0 = base + virtual_row - gl.load(self.block_base + expert)
         return expert, row0, base + gl.load(self.local_rows + expert), (t % n_tiles) * spec.block_n
 
+    @gluon.jit
+    def saved_end(self, saved_rows, spec, SAVED_M: gl.constexpr, WARPS: gl.constexpr):
+        """The virtual row where the ``SAVED_M``-row tiles whose rows all lie below row
+        ``saved_rows`` end: every block of the experts that end by then, the tiles of the
+        next expert wholly below it, none after (a prefix, as experts follow one another in
+        both spaces). ``kernels.layout.saved_tile_rows`` computes the same for ``tl``."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        lane = gl.arange(0, spec.local_pad, layout=lanes)
+        mine = lane < self.local_experts
+        base = gl.load(self.local_base + lane, mask=mine, other=0)
+        count = gl.load(self.local_rows + lane, mask=mine, other=0)
+        whole = base + count <= saved_rows
+        span = gl.where(whole, (count + spec.block_m - 1) // spec.block_m * spec.block_m,
+                        gl.maximum(saved_rows - base, 0) // SAVED_M * SAVED_M)
+        ends = gl.load(self.block_base + lane, mask=mine, other=0) + span
+        return gl.max(gl.where(mine & (span > 0), ends, 0), axis=0)
+
+    @gluon.jit
+    def count_below(self, virtual_end, spec):
+        """Tiles of the blocks that start below virtual row ``virtual_end``."""
+        return (virtual_end + spec.block_m - 1) // spec.block_m * (spec.n // spec.block_n)
+
 
 @aggregate
 class TokenBlockTiles:

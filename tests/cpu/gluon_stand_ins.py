@@ -1,0 +1,69 @@
+"""What the Gluon kernels compute, in torch, for the interpreter tests of the host code
+around them: Gluon does not run under the Triton interpreter, so these stand in for the
+launchers, computing each kernel's contract from the same arguments (and checking what
+the kernel would wait for has arrived). The kernels themselves are checked against fp32
+on a GPU (``tests/gpu/test_gluon_gemm_gpu.py``)."""
+
+import torch
+
+from titan_megamoe.kernels.quantize import quantize_rows
+from titan_megamoe.kernels.sync import EPOCH
+
+
+def _dequantized(q: torch.Tensor, scales: torch.Tensor | None, block: tuple[int, ...]) -> torch.Tensor:
+    if scales is None:
+        return q.float()
+    *lead, rows, cols = q.shape
+    br, bc = block
+    values = q.float().view(*lead, rows // br, br, cols // bc, bc)
+    return (values * scales.view(*lead, rows // br, 1, cols // bc, 1)).view(q.shape)
+
+
+def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_before_experts, row_align,
+                     dy_scale=None, w2t_scale=None, b_k_major=True, power_of_two=False, programs=None):
+    """``kernels.gluon.sm90.swiglu_grad_gemm``: the rows of the tiles below the saved rows'
+    end (``schedule.ExpertTiles.saved_end``), each expert's padding rows zeros, every
+    chunk they come from at the call's epoch."""
+    base, count = layout.local_base.long().cpu(), layout.local_rows.long().cpu()
+    block_base = layout.block_base.long().cpu()
+    saved_rows, bm = outs.preact.shape[0], layout.block_m
+    span = torch.where(base + count <= saved_rows, (count + bm - 1) // bm * bm,
+                       (saved_rows - base).clamp_min(0) // saved_m * saved_m)
+    virtual_end = int(torch.where(span > 0, block_base + span, 0).max())
+    epoch = int(chunks.state[EPOCH.value])
+    dy_f = _dequantized(dy, dy_scale, (1, 128))
+    w = _dequantized(w2t, w2t_scale, (128, 128)) if b_k_major else w2t.float().transpose(1, 2)
+    inter = w.shape[1]
+    experts = w.shape[0]
+    for e in range(experts):
+        owned = torch.arange(int(count[e] + row_align - 1) // row_align * row_align)
+        owned = owned[block_base[e] + owned < virtual_end]
+        if owned.numel() == 0:
+            continue
+        for s in range(chunks.ep):
+            seg = int(chunks.src_offset.view(chunks.ep, experts)[s, e])
+            n = int(chunks.src_rows.view(chunks.ep, experts)[s, e])
+            reached = owned[(owned >= seg) & (owned < seg + n)]
+            for c in ((reached - seg) // bm).unique().tolist():
+                at = chunks.chunk_ready + (s * experts + e) * chunks.max_chunks + c
+                assert int(chunks.flags[at]) == epoch, f"chunk {c} of source {s}, expert {e} had not arrived"
+        rows = base[e] + owned
+        live = (owned < count[e])[:, None]
+        d = dy_f[rows] @ w[e].T
+        g, u = outs.preact[rows.clamp_max(saved_rows - 1)].float().split(inter, dim=1)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        h = silu * u
+        parts = (h * d).view(-1, inter // tiles.block_n, tiles.block_n).sum(-1)
+        score = torch.ones(rows.shape) if score_before_experts else outs.score[rows].float()
+        dh = d * score[:, None]
+        da = torch.where(live, dh * u * sig * (1 + g * (1 - sig)), 0.0)
+        db = torch.where(live, dh * silu, 0.0)
+        dab = torch.cat([da, db], dim=1).to(outs.dab.dtype)
+        outs.dab[rows] = dab
+        outs.h_wgrad[rows] = torch.where(live, h * score[:, None], 0.0).to(outs.h_wgrad.dtype)
+        outs.score_parts[rows] = torch.where(live, parts, outs.score_parts[rows])
+        if outs.dab_q is not None:
+            q, scales = quantize_rows(dab, 128, power_of_two)
+            outs.dab_q[rows] = q
+            outs.dab_scales[rows] = scales
