@@ -66,6 +66,8 @@ from titan_megamoe.kernels.forward import (
     SymmetricAllocator,
     after_launches,
     check_call,
+    chunk_flags,
+    expert_layout,
     inputs_key,
     layout,
     pad,
@@ -73,33 +75,23 @@ from titan_megamoe.kernels.forward import (
     routing_numel,
     row_buffer,
     rows_gemm_combine,
+    say_once,
     split_routing,
     weight_scale_rows,
     weights_in_bf16,
 )
-from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, ExpertLayout, GemmTiles
-from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import (
-    SWIGLU_GRAD_BLOCK_N,
-    ChunkFlags,
-    SwigluGradTensors,
-    swiglu_grad_gemm,
-)
+from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
+from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SWIGLU_GRAD_BLOCK_N, SwigluGradTensors, swiglu_grad_gemm
 from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, NUM_BLOCKS, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
+from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
 from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
 from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    """``message`` in the log, the first time only."""
-    logger.warning(message)
 
 
 class GradBuffers:
@@ -325,7 +317,7 @@ def runs_gluon_wgrad(tiles: TileConfig, fmt: Format, hidden: int, inter: int) ->
         return False
     if fmt.name == "fp8_block" and hidden % FP8_BLOCK == inter % FP8_BLOCK == 0:
         return True
-    _say_once(f"mega_moe fused: the tile row names the Gluon weight-gradient GEMM, which takes blockwise fp8 and "
+    say_once(f"mega_moe fused: the tile row names the Gluon weight-gradient GEMM, which takes blockwise fp8 and "
               f"sizes that are multiples of {FP8_BLOCK}; {fmt.name} with hidden size {hidden} and intermediate size "
               f"{inter} runs the tl kernel instead")
     return False
@@ -343,7 +335,7 @@ def runs_gluon_grad1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden:
     operands = fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
     if operands and not quantize_on_read and inter % SWIGLU_GRAD_BLOCK_N == hidden % tiles.grad1_k == 0:
         return True
-    _say_once(f"mega_moe fused: the tile row names the Gluon core for the backward's first kernel, which takes bf16 or "
+    say_once(f"mega_moe fused: the tile row names the Gluon core for the backward's first kernel, which takes bf16 or "
               f"blockwise fp8 rows as they crossed and an intermediate size that is a multiple of "
               f"{SWIGLU_GRAD_BLOCK_N}; {fmt.name} on {dtype} rows (quantized as read: {quantize_on_read}) with "
               f"intermediate size {inter} runs the tl kernel instead")
@@ -566,11 +558,7 @@ def fused_backward(
         first_kernel(TILES=DISPATCH_ONLY.value, NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=num_programs,
                      EPILOGUE_PARTS=1, num_stages=1)
         swiglu_grad_gemm(
-            grad.recv_grad, w2_operand,
-            ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
-                         buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], tiles.block_m, buffers.capacity_rows),
-            ChunkFlags(buffers.flags, buffers.flag_ptrs, buffers.state, buffers.src_offset, buffers.src_rows,
-                       shape.rank, shape.ep, flags.chunk_ready, flags.max_chunks),
+            grad.recv_grad, w2_operand, expert_layout(buffers), chunk_flags(buffers),
             SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
             GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
             score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,

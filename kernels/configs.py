@@ -14,8 +14,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 ROWS_GEMM_KERNELS = ("tl", "gluon")
 """Implementations of the rows GEMMs (GEMM2, dgrad: ``TileConfig.gemm2_kernel``) and of the
-quantized weight gradients (``TileConfig.wgrad_kernel``), and of the backward's first kernel's saved tiles
-(``TileConfig.grad1_kernel``)."""
+quantized weight gradients (``TileConfig.wgrad_kernel``), of GEMM1 (``gemm1_kernel``) and of
+the backward's first kernel's saved tiles (``grad1_kernel``)."""
 
 
 class RowsGemmTiles(NamedTuple):
@@ -154,6 +154,13 @@ class TileConfig:
     over each half of a tile's ``grad1_saved_n`` columns in turn (2), so that one half's
     temporaries, not the whole tile's, sit in registers beside the ``dy W2`` accumulator
     (a half must hold whole scale blocks)."""
+    gemm1_kernel: str = "tl"
+    """What runs GEMM1: ``"tl"`` (``dispatch_gemm1_kernel``, which also dispatches the rows)
+    or ``"gluon"``, Hopper's core (``kernels.gluon.sm90.gate_up_gemm``: 64 x ``gemm1_n``
+    (128) tiles, the two consumer warpgroups on the gate and the up projection,
+    ``gemm1_k`` deep, ``gemm1_stages`` stages), after ``dispatch_gemm1_kernel`` has
+    dispatched them. The core takes bf16 or blockwise e4m3 operands; other operands run
+    ``"tl"``, and the log says so."""
     grad1_kernel: str = "tl"
     """What runs the backward's first kernel's tiles where GEMM1 was saved: ``"tl"``
     (``dispatch_grad_gemm1_kernel``, which also dispatches the rows) or ``"gluon"``,
@@ -209,6 +216,11 @@ class TileConfig:
         if self.wgrad_kernel == "gluon" and (self.wgrad_m, self.wgrad_n, self.wgrad_k) != (128, 128, 128):
             raise ValueError(f"wgrad_kernel = 'gluon' takes 128 x 128 tiles, one 128-token block per K step: wgrad_m, "
                              f"wgrad_n, wgrad_k = {self.wgrad_m}, {self.wgrad_n}, {self.wgrad_k} must be 128")
+        if self.gemm1_kernel not in ROWS_GEMM_KERNELS:
+            raise ValueError(f"gemm1_kernel = {self.gemm1_kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
+        if self.gemm1_kernel == "gluon" and (self.gemm1_n != 128 or self.block_m % 64):
+            raise ValueError(f"gemm1_kernel = 'gluon' takes tiles of 64 rows by 128 columns: gemm1_n = "
+                             f"{self.gemm1_n} must be 128 and block_m = {self.block_m} a multiple of 64")
         if self.grad1_kernel not in ROWS_GEMM_KERNELS:
             raise ValueError(f"grad1_kernel = {self.grad1_kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
         if self.grad1_kernel == "gluon" and self.grad1_saved_n != 128:
@@ -387,7 +399,8 @@ def check_table(table: dict[tuple[str, str], TileConfig]) -> None:
     for (arch, fmt_name), row in table.items():
         for phase, kernel in (("a rows GEMM", row.gemm2.kernel), ("a rows GEMM", row.dgrad.kernel),
                               ("the weight gradients", row.wgrad_kernel),
-                              ("the backward's first kernel", row.grad1_kernel)):
+                              ("the backward's first kernel", row.grad1_kernel),
+                              ("GEMM1", row.gemm1_kernel)):
             if kernel == "gluon" and arch not in GLUON_ARCHS:
                 raise ValueError(f"tile row ({arch}, {fmt_name}) runs {phase} on the Gluon core, which is written "
                                  f"for {', '.join(GLUON_ARCHS)} only")

@@ -184,7 +184,7 @@ def dispatch_gemm1_kernel(
     BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SCALE_K: tl.constexpr, W_SCALE_N: tl.constexpr, MX_DOT: tl.constexpr, POWER_OF_TWO: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr, CLAIM_AHEAD: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, ROUND_K: tl.constexpr, CLAIM_AHEAD: tl.constexpr, DISPATCH_ONLY: tl.constexpr,
 ):
     """A tile is ``TILE_M`` rows (dividing the layout's ``BLOCK_M``) by ``BLOCK_N``
     intermediate columns. ``SAVE_GEMM1``: also store the pre-activations ``[gate | up]``
@@ -198,7 +198,9 @@ def dispatch_gemm1_kernel(
     rounds it. ``ROUND_K`` > 0 (MX held in the activation dtype, ``SCALE_K`` 0): the rows
     arrive so, and ``h`` is stored so, rounded in blocks of ``ROUND_K`` columns.
     ``CLAIM_AHEAD``: a program claims its next tile before the mainloop, not after the
-    tile's stores (``TileConfig.gemm1_claim_ahead``)."""
+    tile's stores (``TileConfig.gemm1_claim_ahead``). ``DISPATCH_ONLY``: no tiles, the rows
+    dispatched alone, where Hopper's Gluon core computes GEMM1
+    (``kernels.gluon.sm90.gate_up_gemm``)."""
     pid = tl.program_id(0)
     epoch = tl.load(state + EPOCH)
     if pid < COMM_PROGRAMS:
@@ -210,6 +212,8 @@ def dispatch_gemm1_kernel(
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
                 EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO, ROUND_K,
             )
+    if DISPATCH_ONLY:
+        return
 
     n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
     num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles

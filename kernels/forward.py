@@ -16,6 +16,7 @@ backward does, or the next forward, so that the host may run a call ahead of the
 status record, also in host memory.
 """
 
+import functools
 import logging
 import math
 import time
@@ -41,6 +42,8 @@ from titan_megamoe.kernels.gluon.sm90.grouped_gemm import (
     GemmTiles,
     grouped_gemm,
 )
+from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GATE_UP_BLOCK_N, GateUpTensors, gate_up_gemm
 from titan_megamoe.kernels.gluon.sm90.mma import MMA_ROWS
 from titan_megamoe.kernels.launch import launch
 from titan_megamoe.kernels.layout import layout_kernel
@@ -604,9 +607,12 @@ def fused_forward(
         if not score_before_experts:
             sent, sent_scales = quantize_rows(x, fmt.activation_block[1], fmt.power_of_two, bool(fmt.round_k))
     y = torch.empty_like(x)
+    gluon_gemm1 = runs_gluon_gemm1(tiles, fmt, x.dtype, shape.hidden, shape.inter)
 
     def run(first: bool) -> torch.Tensor:
         tokens_per_expert = layout(topk_idx, routing, buffers, timeout_s, skip_overflow=first)
+        # With GEMM1 on the Gluon core every program dispatches, and the core's load warp
+        # waits for the rows it copies.
         launch(dispatch_gemm1_kernel, (num_programs,),
             sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
             buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
@@ -616,14 +622,22 @@ def fused_forward(
             shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
             HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
             SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=preact is not None,
-            COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready, MAX_CHUNKS=flags.max_chunks,
-            EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
+            COMM_PROGRAMS=num_programs if gluon_gemm1 else comm_programs, CHUNK_READY=flags.chunk_ready,
+            MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
             BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
             COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
             W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast), POWER_OF_TWO=fmt.power_of_two,
             ACT_DTYPE=TRITON_DTYPES[x.dtype], ROUND_K=fmt.round_k, CLAIM_AHEAD=bool(tiles.gemm1_claim_ahead),
-            num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
+            DISPATCH_ONLY=gluon_gemm1, num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
         )
+        if gluon_gemm1:
+            gate_up_gemm(
+                buffers.recv, w1, w3, expert_layout(buffers), chunk_flags(buffers),
+                GateUpTensors(buffers.h, buffers.h_scales, preact), GemmTiles(tiles.gemm1_n, tiles.gemm1_k,
+                                                                              tiles.gemm1_stages),
+                act_dtype=x.dtype, x_scale=buffers.recv_scales, w1_scale=w1_scales, w3_scale=w3_scales,
+                power_of_two=fmt.power_of_two, programs=num_programs,
+            )
         rows_gemm_combine(buffers, tiles, tiles.gemm2, buffers.h, buffers.h_scales, w2, w2_scales, None, fmt,
                           fmt.row_scale_k, num_programs)
         reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
@@ -651,6 +665,42 @@ def fused_forward(
 
 GLUON_OPERANDS = (torch.bfloat16, torch.float8_e4m3fn)
 """Operand dtypes the Gluon core multiplies (``TileConfig.gemm2_kernel``)."""
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """``message`` in the log, the first time only."""
+    logger.warning(message)
+
+
+def runs_gluon_gemm1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether GEMM1 runs the Gluon core (``TileConfig.gemm1_kernel``): the row names it,
+    and it takes the operands (bf16 rows, or blockwise fp8 ones whose ``h`` is scaled per
+    128 columns) and the layer (sizes multiples of its tiles); where the row names it and
+    it cannot, the log says so, once."""
+    if tiles.gemm1_kernel != "gluon":
+        return False
+    operands = fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
+    if operands and inter % GATE_UP_BLOCK_N == hidden % tiles.gemm1_k == 0:
+        return True
+    say_once(f"mega_moe fused: the tile row names the Gluon core for GEMM1, which takes bf16 or blockwise fp8 rows and "
+             f"an intermediate size that is a multiple of {GATE_UP_BLOCK_N}; {fmt.name} on {dtype} rows with "
+             f"intermediate size {inter} runs the tl kernel instead")
+    return False
+
+
+def expert_layout(buffers: ForwardBuffers) -> ExpertLayout:
+    """The receive layout of the buffers' current call, as the Gluon core reads it."""
+    return ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
+                        buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], buffers.tiles.block_m,
+                        buffers.capacity_rows)
+
+
+def chunk_flags(buffers: ForwardBuffers) -> ChunkFlags:
+    """Where the buffers' received chunks are announced, as the Gluon core waits for them."""
+    shape, flags = buffers.shape, buffers.flag_layout
+    return ChunkFlags(buffers.flags, buffers.flag_ptrs, buffers.state, buffers.src_offset, buffers.src_rows,
+                      shape.rank, shape.ep, flags.chunk_ready, flags.max_chunks)
 
 
 def rows_gemm_combine(buffers: ForwardBuffers, tiles: TileConfig, phase: RowsGemmTiles, a: torch.Tensor, a_scales,
@@ -689,10 +739,7 @@ def rows_gemm_combine(buffers: ForwardBuffers, tiles: TileConfig, phase: RowsGem
     if scale_k and (scale_k, weight_scale_rows(fmt, tiles)) != (FP8_BLOCK, FP8_BLOCK):
         raise ValueError(f"the Gluon rows GEMM takes blockwise fp8 (1 x {FP8_BLOCK} and {FP8_BLOCK} x {FP8_BLOCK} "
                          f"scale blocks); {fmt.name} scales 1 x {scale_k} and {fmt.weight_block}")
-    layout = ExpertLayout(buffers.local_base, buffers.local_rows, buffers.block_base,
-                          buffers.state[NUM_BLOCKS.value:NUM_BLOCKS.value + 1], block_m=block_m,
-                          rows=buffers.capacity_rows)
-    grouped_gemm(a, w, buffers.combine, layout, GemmTiles(phase.n, phase.k, phase.stages, phase.m // int(MMA_ROWS)),
+    grouped_gemm(a, w, buffers.combine, expert_layout(buffers), GemmTiles(phase.n, phase.k, phase.stages, phase.m // int(MMA_ROWS)),
                  a_scale=a_scales, b_scale=w_scales,
                  combine=CombineRows(buffers.recv_meta, buffers.combine_ptrs, shape.rank, shape.rows_per_rank),
                  programs=num_programs)

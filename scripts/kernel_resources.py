@@ -13,8 +13,8 @@ exceeds the architecture's limit cannot launch; spills cost time (and, on first 
 local-memory resize that waits for the device to go idle). Writes ``kernel_resources.json``.
 
 ``--gluon`` compiles the Gluon grouped GEMM core instead, at the layer's four row GEMMs with
-its default tiles, at the backward's first GEMM with its SwiGLU-backward epilogue (the
-tile table's tiles) and (fp8) at the weight gradients dW1 and dW3, grouped along the
+its default tiles, at GEMM1 with its SwiGLU epilogue and the backward's first GEMM with
+its SwiGLU-backward epilogue (the tile table's tiles) and (fp8) at the weight gradients dW1 and dW3, grouped along the
 tokens, and records what the machine code shows of its warp specialization:
 register reallocations (``setmaxnreg``), TMA loads and the wgmma groups each wait leaves
 in flight.
@@ -212,6 +212,7 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
                      a_scale=scales[0], b_scale=scales[1], b_k_major=case.b_k_major,
                      epilogue="swiglu" if case.two_b else "store", programs=PROGRAMS)
         compiled += [{**r, "kernel": f"gluon {gemm}"} for r in records]
+    compiled += _compile_gate_up(shape, local, layout, dtype, records)
     compiled += _compile_swiglu_grad(shape, local, layout, dtype, records)
     if fp8:  # the weight gradients dW1 and dW3: grouped along the tokens
         from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
@@ -229,12 +230,41 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
     return compiled
 
 
+def _compile_gate_up(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
+    """GEMM1 on the core (``gate_up_gemm``) with the tiles the table gives it, saving the
+    pre-activations of half the rows."""
+    from titan_megamoe.kernels.configs import tile_config
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
+    from titan_megamoe.kernels.sync import STATE_WORDS
+
+    layer, fp8 = SHAPES[shape], dtype == torch.float8_e4m3fn
+    hidden, inter = layer.hidden, layer.inter
+    row = tile_config("sm90", "fp8_block" if fp8 else "native")
+    rows = layout.rows + 128
+    w1, w3 = (torch.zeros(local, inter, hidden, dtype=dtype) for _ in range(2))
+    chunks = ChunkFlags(torch.zeros(4096, dtype=torch.int64), torch.zeros(EP, dtype=torch.int64),
+                        torch.zeros(STATE_WORDS, dtype=torch.int64), torch.zeros(EP, local, dtype=torch.int32),
+                        torch.zeros(EP, local, dtype=torch.int32), rank=0, ep=EP, chunk_ready=64, max_chunks=8)
+    outs = GateUpTensors(torch.empty(rows, inter, dtype=dtype), torch.empty(rows, inter // 128) if fp8 else None,
+                         torch.empty(rows // 2, 2 * inter, dtype=torch.bfloat16))
+    scales = torch.ones(local, inter // 128, hidden // 128) if fp8 else None
+    records.clear()
+    gate_up_gemm(torch.zeros(rows, hidden, dtype=dtype), w1, w3, layout, chunks, outs,
+                 GemmTiles(row.gemm1_n, row.gemm1_k, row.gemm1_stages), act_dtype=torch.bfloat16,
+                 x_scale=torch.ones(rows, hidden // 128) if fp8 else None, w1_scale=scales, w3_scale=scales,
+                 programs=PROGRAMS)
+    return [{**r, "kernel": "gluon gemm1"} for r in records]
+
+
 def _compile_swiglu_grad(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
     """The backward's first GEMM on the core (``swiglu_grad_gemm``) with the tiles the table
     gives it, every row saved: fp8 on W2 transposed, bf16 on W2 as stored."""
     from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import ChunkFlags, SwigluGradTensors, swiglu_grad_gemm
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.sync import STATE_WORDS
 
     layer, fp8 = SHAPES[shape], dtype == torch.float8_e4m3fn

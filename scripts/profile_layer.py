@@ -64,24 +64,32 @@ ROWS_GEMM_KERNEL_NAMES = {"tl": "rows_gemm_combine_kernel", "gluon": "grouped_ge
 """The kernel each implementation of a rows GEMM (``TileConfig.gemm2_kernel``) launches."""
 WGRAD_KERNEL_NAMES = {"tl": "wgrad_kernel", "gluon": "token_grouped_gemm_kernel"}
 """The same for the quantized weight gradients (``TileConfig.wgrad_kernel``)."""
+GEMM1_KERNEL_NAMES = {"tl": "dispatch_gemm1_kernel", "gluon": "gate_up_gemm_kernel"}
+"""The same for GEMM1 (``TileConfig.gemm1_kernel``)."""
+GRAD1_KERNEL_NAMES = {"tl": "dispatch_grad_gemm1_kernel", "gluon": "swiglu_grad_gemm_kernel"}
+"""The same for the backward's first kernel where GEMM1 was saved (``TileConfig.grad1_kernel``)."""
 
 
 def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool,
                 library_wgrad: tuple[bool, bool] = (False, False),
-                rows_kernels: tuple[str, str] = ("tl", "tl"), wgrad_kernel: str = "tl") -> dict[str, int]:
+                rows_kernels: tuple[str, str] = ("tl", "tl"), wgrad_kernel: str = "tl",
+                gemm1_kernel: str = "tl", grad1_kernel: str = "tl") -> dict[str, int]:
     """Expert-GEMM FLOPs per call of each fused GEMM kernel for ``rows`` received rows
     (what its mainloops compute; a recomputed GEMM1 counts); bf16's weight gradients run
     in torch's grouped GEMMs, which the table does not name, and so do the quantized
     weight gradients (dW1 with dW3, dW2) that ``library_wgrad`` says run torch's
     blockwise-scaled matmul (``backward.runs_library_wgrad``). ``rows_kernels``: the
     implementations of GEMM2 and dgrad (``TileConfig.gemm2_kernel``, ``.dgrad_kernel``),
-    ``wgrad_kernel`` the weight gradients' (``TileConfig.wgrad_kernel``)."""
+    ``wgrad_kernel`` the weight gradients' (``TileConfig.wgrad_kernel``), ``gemm1_kernel``
+    and ``grad1_kernel`` GEMM1's and the backward's first kernel's (which runs the Gluon
+    core only where GEMM1 was saved; rows past the saved ones are not counted apart)."""
     unit = 2 * rows * hidden * inter  # one [rows, H] x [H, I] product
     gemm2, dgrad = (ROWS_GEMM_KERNEL_NAMES[k] for k in rows_kernels)
-    flops = {"dispatch_gemm1_kernel": 2 * unit, gemm2: unit}
+    flops = {GEMM1_KERNEL_NAMES[gemm1_kernel]: 2 * unit, gemm2: unit}
     if backward:
         flops[dgrad] = flops.get(dgrad, 0) + 2 * unit  # dgrad: [da | db] [W1 | W3]^T
-        flops["dispatch_grad_gemm1_kernel"] = unit + (0 if save_gemm1 else 2 * unit)
+        grad1 = GRAD1_KERNEL_NAMES[grad1_kernel if save_gemm1 else "tl"]
+        flops[grad1] = unit + (0 if save_gemm1 else 2 * unit)
         library_dw13, library_dw2 = library_wgrad
         if not (library_dw13 and library_dw2):
             flops[WGRAD_KERNEL_NAMES[wgrad_kernel]] = (0 if library_dw13 else 2 * unit) + (0 if library_dw2 else unit)
@@ -315,7 +323,9 @@ def main():
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
                           "kernels_ms": dict(kernels), "library_wgrad": library,
                           "rows_kernels": (configs.TILE_CONFIGS[arch, precision.forward.name].gemm2_kernel,
-                                           grad_tiles.dgrad_kernel), "wgrad_kernel": grad_tiles.wgrad_kernel}
+                                           grad_tiles.dgrad_kernel), "wgrad_kernel": grad_tiles.wgrad_kernel,
+                          "gemm1_kernel": configs.TILE_CONFIGS[arch, precision.forward.name].gemm1_kernel,
+                          "grad1_kernel": grad_tiles.grad1_kernel}
         if args.host:
             wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
             results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
@@ -327,7 +337,8 @@ def main():
     if rank == 0:
         for r in results.values():
             r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["library_wgrad"],
-                                           r["rows_kernels"], r["wgrad_kernel"])
+                                           r["rows_kernels"], r["wgrad_kernel"], r["gemm1_kernel"],
+                                           r["grad1_kernel"])
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
         print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "

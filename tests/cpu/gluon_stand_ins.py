@@ -30,7 +30,6 @@ def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_bef
     span = torch.where(base + count <= saved_rows, (count + bm - 1) // bm * bm,
                        (saved_rows - base).clamp_min(0) // saved_m * saved_m)
     virtual_end = int(torch.where(span > 0, block_base + span, 0).max())
-    epoch = int(chunks.state[EPOCH.value])
     dy_f = _dequantized(dy, dy_scale, (1, 128))
     w = _dequantized(w2t, w2t_scale, (128, 128)) if b_k_major else w2t.float().transpose(1, 2)
     inter = w.shape[1]
@@ -40,13 +39,7 @@ def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_bef
         owned = owned[block_base[e] + owned < virtual_end]
         if owned.numel() == 0:
             continue
-        for s in range(chunks.ep):
-            seg = int(chunks.src_offset.view(chunks.ep, experts)[s, e])
-            n = int(chunks.src_rows.view(chunks.ep, experts)[s, e])
-            reached = owned[(owned >= seg) & (owned < seg + n)]
-            for c in ((reached - seg) // bm).unique().tolist():
-                at = chunks.chunk_ready + (s * experts + e) * chunks.max_chunks + c
-                assert int(chunks.flags[at]) == epoch, f"chunk {c} of source {s}, expert {e} had not arrived"
+        _check_arrived(chunks, layout, e, owned, experts)
         rows = base[e] + owned
         live = (owned < count[e])[:, None]
         d = dy_f[rows] @ w[e].T
@@ -67,3 +60,45 @@ def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_bef
             q, scales = quantize_rows(dab, 128, power_of_two)
             outs.dab_q[rows] = q
             outs.dab_scales[rows] = scales
+
+
+def _check_arrived(chunks, layout, e: int, owned: torch.Tensor, experts: int) -> None:
+    """Every chunk (the layout's blocks of rows, per source) that rows ``owned`` of local
+    expert ``e`` come from holds the call's epoch."""
+    epoch = int(chunks.state[EPOCH.value])
+    for s in range(chunks.ep):
+        seg = int(chunks.src_offset.view(chunks.ep, experts)[s, e])
+        n = int(chunks.src_rows.view(chunks.ep, experts)[s, e])
+        reached = owned[(owned >= seg) & (owned < seg + n)]
+        for c in ((reached - seg) // layout.block_m).unique().tolist():
+            at = chunks.chunk_ready + (s * experts + e) * chunks.max_chunks + c
+            assert int(chunks.flags[at]) == epoch, f"chunk {c} of source {s}, expert {e} had not arrived"
+
+
+def gate_up_gemm(x, w1, w3, layout, chunks, outs, tiles, *, act_dtype, x_scale=None, w1_scale=None, w3_scale=None,
+                 power_of_two=False, programs=None):
+    """``kernels.gluon.sm90.gate_up_gemm``: ``h`` of every received row (rounded to
+    ``act_dtype``; quantized per 128 columns with scales), the saved rows' pre-activations,
+    every chunk the rows come from at the call's epoch."""
+    base, count = layout.local_base.long().cpu(), layout.local_rows.long().cpu()
+    x_f = _dequantized(x, x_scale, (1, 128))
+    w1_f, w3_f = _dequantized(w1, w1_scale, (128, 128)), _dequantized(w3, w3_scale, (128, 128))
+    experts, inter, _ = w1.shape
+    saved_rows = 0 if outs.preact is None else outs.preact.shape[0]
+    for e in range(experts):
+        live = torch.arange(int(count[e]))
+        if live.numel() == 0:
+            continue
+        _check_arrived(chunks, layout, e, live, experts)
+        rows = base[e] + live
+        g, u = x_f[rows] @ w1_f[e].T, x_f[rows] @ w3_f[e].T
+        h = (g * torch.sigmoid(g) * u).to(act_dtype)
+        if outs.h_scales is None:
+            outs.h[rows] = h.to(outs.h.dtype)
+        else:
+            q, scales = quantize_rows(h.float(), 128, power_of_two)
+            outs.h[rows] = q
+            outs.h_scales[rows] = scales
+        saved = rows < saved_rows
+        if saved.any():
+            outs.preact[rows[saved]] = torch.cat([g, u], dim=1)[saved].to(outs.preact.dtype)

@@ -633,16 +633,19 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
     spec = get_precision(precision)
     row = ("interpret", spec.forward.name)
     configs.TILE_CONFIGS[row] = dataclasses.replace(configs.TILE_CONFIGS[row], **tile_changes)
-    if tile_changes.get("grad1_kernel") == "gluon":
-        # The saved tiles of the backward's first kernel on the Gluon core: its contract in
-        # torch stands in for it, around the tl kernel's dispatch alone and its tiles past
-        # the saved rows.
-        from gluon_stand_ins import swiglu_grad_gemm
+    gluon = tile_changes.get("gemm1_kernel") == "gluon"
+    if gluon:
+        # GEMM1 and the saved tiles of the backward's first kernel on the Gluon core: their
+        # contracts in torch stand in for them, around the tl kernels' dispatches alone and
+        # the tiles past the saved rows.
+        import gluon_stand_ins
 
-        from titan_megamoe.kernels import backward
+        from titan_megamoe.kernels import backward, forward
 
         core_calls = []
-        backward.swiglu_grad_gemm = lambda *args, **kwargs: core_calls.append(swiglu_grad_gemm(*args, **kwargs))
+        forward.gate_up_gemm = lambda *args, **kw: core_calls.append(gluon_stand_ins.gate_up_gemm(*args, **kw))
+        backward.swiglu_grad_gemm = lambda *args, **kw: core_calls.append(
+            gluon_stand_ins.swiglu_grad_gemm(*args, **kw))
     # Skewed tokens, all on expert 0: more than one token block of the quantized weight
     # gradients (128 for fp8, 32 for MX) and than one receive block.
     token_block = spec.wgrad.activation_block[1] if spec.wgrad.quantized else 0
@@ -664,10 +667,13 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
         w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
         dy = torch.randn(num_tokens, hidden, generator=g)
         poison_fused_buffers()
+        forward_calls = len(core_calls) if gluon else None
         y, counts, *kept = fused.moe_forward(x, idx, w, w1, w2, w3, None, score_before, settings)
-        calls_before = len(core_calls) if tile_changes.get("grad1_kernel") == "gluon" else None
+        if gluon:
+            assert len(core_calls) == forward_calls + 1, "GEMM1 did not run on the Gluon core"
+        calls_before = len(core_calls) if gluon else None
         grads = fused.moe_backward(dy, x, idx, w, w1, w2, w3, *kept, None, score_before, settings)
-        if calls_before is not None:
+        if gluon:  # the forward's GEMM1, and the backward's first kernel where GEMM1 was saved
             assert len(core_calls) == calls_before + save, "the Gluon first kernel ran where GEMM1 was not saved"
         y_ref, counts_ref = reference.moe_forward(x, idx, w, w1, w2, w3, None, score_before, spec)
         grads_ref = reference.moe_backward(dy, x, idx, w, w1, w2, w3, None, score_before, spec, save)
@@ -688,11 +694,12 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 # gradients on copies quantized along the tokens in the receive layout (blocks of 32 rows,
 # experts 32-row aligned);
 # and both MX precisions with every operand held in bf16 (the rows mxfp8_wgrad_bf16 resends
-# unrounded rounded as the GEMMs read them); fp8 with the backward's first kernel on the
-# Gluon core (stood in for: the host's launches around it).
+# unrounded rounded as the GEMMs read them); fp8 with GEMM1 and the backward's first kernel
+# on the Gluon core (stood in for: the host's launches around them), in its 64-row tiles.
 @pytest.mark.parametrize("precision, tile_changes",
                          [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
-                          ("fp8", {"grad1_kernel": "gluon", "grad1_saved_n": 128}),
+                          ("fp8", {"gemm1_kernel": "gluon", "gemm1_n": 128, "grad1_kernel": "gluon",
+                                   "grad1_saved_n": 128, "block_m": 64}),
                           ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
                           ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),
                           ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),

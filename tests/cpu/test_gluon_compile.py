@@ -32,15 +32,15 @@ def gluon_resources(tmp_path_factory):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
     records = {r["kernel"]: r for r in gluon_resources[precision]}
-    expected = {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad", "gluon swiglu_grad"} | (
+    expected = {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad", "gluon gemm1", "gluon swiglu_grad"} | (
         {"gluon wgrad"} if precision == "fp8" else set())
     assert set(records) == expected, set(records)
     for name, r in records.items():
         assert r["shared_bytes"] <= SHARED_LIMIT, (name, r["shared_bytes"])
-        # The backward's first GEMM in fp8: a few loop-invariant words of the consumers'
-        # 224 registers (the arrival-waiting load warp takes 56) go to local memory before
-        # the promoting mainloop and come back for the epilogue, about ten loads a tile.
-        spilled = {("fp8", "gluon swiglu_grad"): 128}.get((precision, name), 0)
+        # GEMM1 and the backward's first GEMM in fp8: a few loop-invariant words of the
+        # consumers' 224 registers (the arrival-waiting load warp takes 56) go to local
+        # memory before the promoting mainloop and come back for the epilogue, once a tile.
+        spilled = {("fp8", "gluon swiglu_grad"): 128, ("fp8", "gluon gemm1"): 128}.get((precision, name), 0)
         assert r["stack_bytes"] <= spilled and (r["local_accesses"] == 0) == (spilled == 0), (name, "spills")
         assert r["calls"] == 0, (name, "subroutine calls")
         assert r["mma"].endswith(MMA[precision]), (name, r["mma"])
@@ -129,7 +129,8 @@ def test_token_grouped_gemm_host_checks_name_what_does_not_fit():
 
 def test_swiglu_grad_gemm_host_checks_name_what_does_not_fit():
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import ChunkFlags, SwigluGradTensors, swiglu_grad_gemm
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
 
     layout = ExpertLayout.from_counts(torch.tensor([3, 5]), block_m=128, row_align=32)
     rows, hidden, inter = layout.rows + 128, 256, 256
@@ -159,6 +160,37 @@ def test_swiglu_grad_gemm_host_checks_name_what_does_not_fit():
                              programs=4, **args)
 
 
+def test_gate_up_gemm_host_checks_name_what_does_not_fit():
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
+
+    layout = ExpertLayout.from_counts(torch.tensor([3, 5]), block_m=128, row_align=32)
+    rows, hidden, inter = layout.rows + 128, 256, 256
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    x, w = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(2, inter, hidden, dtype=bf16)
+    chunks = ChunkFlags(torch.zeros(64, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                        torch.zeros(16, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
+                        torch.zeros(2, dtype=torch.int32), rank=0, ep=1, chunk_ready=16, max_chunks=1)
+    outs = GateUpTensors(torch.empty(rows, inter, dtype=bf16))
+    cases = [
+        (dict(x=x.to(torch.float16)), "bf16 or e4m3"),
+        (dict(x=x.to(fp8), w1=w.to(fp8), w3=w.to(fp8)), "need x_scale, w1_scale, w3_scale and h_scales"),
+        (dict(w3=torch.zeros(2, 384, hidden, dtype=bf16)), "w3 as w1"),
+        (dict(outs=GateUpTensors(outs.h, preact=torch.zeros(rows, inter, dtype=bf16))), "expected \\[saved rows, 512\\]"),
+        (dict(tiles=GemmTiles(256, 64, 4)), "tiles 128 wide"),
+        (dict(act_dtype=torch.float16), "act_dtype torch.float16"),
+        (dict(layout=ExpertLayout.from_counts(torch.tensor([3, 5]), block_m=32, row_align=32)), "a tile is 64 rows"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, w1=w, w3=w, layout=layout, chunks=chunks, outs=outs, tiles=GemmTiles(128, 64, 4),
+                    act_dtype=bf16)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            gate_up_gemm(args.pop("x"), args.pop("w1"), args.pop("w3"), args.pop("layout"), args.pop("chunks"),
+                         args.pop("outs"), args.pop("tiles"), programs=4, **args)
+
+
 def test_the_tile_table_names_what_each_rows_gemm_runs():
     """``gemm2_kernel`` / ``dgrad_kernel``: the Gluon core on sm90 rows only, over whole
     blocks, on bf16 or blockwise e4m3 operands, with ``[W1 | W3]`` transposed; anything
@@ -182,6 +214,8 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
         (dict(wgrad_kernel="gluon", wgrad_m=64), "wgrad_m, wgrad_n, wgrad_k = 64, 128, 128 must be 128"),
         (dict(grad1_kernel="cuda"), "grad1_kernel = 'cuda'; known: tl, gluon"),
         (dict(grad1_kernel="gluon", grad1_saved_n=64), "grad1_saved_n = 64 must be 128"),
+        (dict(gemm1_kernel="cuda"), "gemm1_kernel = 'cuda'; known: tl, gluon"),
+        (dict(gemm1_kernel="gluon", gemm1_n=256), "gemm1_n = 256 must be 128"),
     ]
     for change, message in refused:
         with pytest.raises(ValueError, match=message):
@@ -189,6 +223,9 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
     with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs a rows GEMM on the Gluon core"):
         configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
                                                                     gemm2_kernel="gluon")})
+    with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs GEMM1 on the Gluon core"):
+        configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
+                                                                    gemm1_kernel="gluon")})
     with pytest.raises(ValueError, match=r"tile row \(sm100, mxfp8\) runs the backward's first kernel on the Gluon"):
         configs.check_table({("sm100", "mxfp8"): dataclasses.replace(configs.TILE_CONFIGS["sm100", "mxfp8"],
                                                                     grad1_kernel="gluon")})

@@ -198,6 +198,12 @@ def test_profile_layer_counts_each_stage_against_the_peak():
     # The weight gradients on the Gluon core grouped along the tokens (fp8's row).
     gluon_wgrad = profile_layer.stage_flops(rows, hidden, inter, True, True, wgrad_kernel="gluon")
     assert gluon_wgrad["token_grouped_gemm_kernel"] == 3 * unit and "wgrad_kernel" not in gluon_wgrad
+    # GEMM1 and the backward's first kernel on the core; the latter only where GEMM1 was saved.
+    cores = [profile_layer.stage_flops(rows, hidden, inter, True, save, gemm1_kernel="gluon", grad1_kernel="gluon")
+             for save in (True, False)]
+    assert cores[0]["gate_up_gemm_kernel"] == 2 * unit and "dispatch_gemm1_kernel" not in cores[0]
+    assert cores[0]["swiglu_grad_gemm_kernel"] == unit and "dispatch_grad_gemm1_kernel" not in cores[0]
+    assert cores[1]["dispatch_grad_gemm1_kernel"] == 3 * unit and "swiglu_grad_gemm_kernel" not in cores[1]
     # 1.24 TFLOP forward at 792 TFLOP/s: 1.56 ms; fwd+bwd three times that.
     assert profile_layer.roofline_ms(rows, hidden, inter, False, 792.0) == pytest.approx(1.563, rel=1e-3)
     assert profile_layer.roofline_ms(rows, hidden, inter, True, 792.0) == pytest.approx(3 * 1.563, rel=1e-3)

@@ -207,7 +207,8 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     in each expert's padding rows, nothing written past them or past the saved rows' tiles;
     one source whose chunks have all arrived (``ChunkFlags``); twice bit for bit."""
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import ChunkFlags, SwigluGradTensors, swiglu_grad_gemm
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
     from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
     from titan_megamoe.precision import get_precision
@@ -309,3 +310,95 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     again = run()
     assert torch.equal(again.dab.nan_to_num(), outs.dab.nan_to_num()), "two runs differ"
     assert torch.equal(again.score_parts.nan_to_num(), outs.score_parts.nan_to_num()), "two runs differ"
+
+
+@pytest.mark.parametrize("precision, saved_part, programs", [
+    ("bf16", 1.0, None),
+    ("fp8", 1.0, None),
+    ("fp8", 0.5, 7),
+    ("bf16", 0.0, 5),   # nothing saved
+])
+def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
+    """GEMM1 on the core against fp32 of the same operands: ``h`` of every received row
+    (fp8: dequantized from its e4m3 and scales), the pre-activations of the saved rows,
+    nothing written past each expert's rows or past the saved ones; one source whose
+    chunks have all arrived; twice bit for bit."""
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
+    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
+    from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
+    from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
+    from titan_megamoe.precision import get_precision
+
+    hidden, inter, align = 512, 384, 32
+    counts = torch.tensor(COUNTS, device="cuda")
+    experts = len(COUNTS)
+    layout = ExpertLayout.from_counts(counts, block_m=128, row_align=align)
+    rows = layout.rows + 128
+    generator = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    x = torch.randn(rows, hidden, device="cuda", generator=generator).bfloat16()
+    w1, w3 = ((torch.randn(experts, inter, hidden, device="cuda", generator=generator) / hidden**0.5).bfloat16()
+              for _ in range(2))
+    fp8 = precision == "fp8"
+    fmt = get_precision("fp8").forward
+    if fp8:
+        x_q, x_scale = quantize_rows(x, 128, fmt.power_of_two)
+        (w1_q, w1_scale), (w3_q, w3_scale) = quantize_weights([w1, w3], fmt)
+        x_ref = (x_q.float().view(rows, -1, 128) * x_scale[:, :, None]).view(rows, hidden)
+
+        def weight_ref(q, s):
+            return (q.float().view(experts, inter // 128, 128, hidden // 128, 128)
+                    * s[:, :, None, :, None]).view(experts, inter, hidden)
+
+        w1_ref, w3_ref = weight_ref(w1_q, w1_scale), weight_ref(w3_q, w3_scale)
+    else:
+        x_q, x_scale, w1_q, w1_scale, w3_q, w3_scale = x, None, w1, None, w3, None
+        x_ref, w1_ref, w3_ref = x.float(), w1.float(), w3.float()
+    base = layout.local_base.long()
+    saved_rows = rows if saved_part == 1.0 else int(saved_part * rows) // 64 * 64 + 10  # mid-tile
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device="cuda")
+    state[EPOCH.value] = 5
+    max_chunks = int(-(-counts.max() // 128))
+    chunk_ready = 8
+    flags = torch.full((chunk_ready + experts * max_chunks,), 5, dtype=torch.int64, device="cuda")
+    chunks = ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
+                        torch.zeros(experts, dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0, ep=1,
+                        chunk_ready=chunk_ready, max_chunks=max_chunks)
+
+    def run():
+        nan = float("nan")
+        outs = GateUpTensors(
+            torch.full((rows, inter), nan, device="cuda").to(torch.float8_e4m3fn if fp8 else torch.bfloat16),
+            torch.full((rows, inter // 128), nan, device="cuda") if fp8 else None,
+            torch.full((saved_rows, 2 * inter), nan, device="cuda", dtype=torch.bfloat16) if saved_part else None)
+        gate_up_gemm(x_q, w1_q, w3_q, layout, chunks, outs, GemmTiles(128, 128 if fp8 else 64, 3 if fp8 else 4),
+                     act_dtype=torch.bfloat16, x_scale=x_scale, w1_scale=w1_scale, w3_scale=w3_scale,
+                     power_of_two=fmt.power_of_two, programs=programs)
+        return outs
+
+    outs = run()
+    row = torch.arange(rows, device="cuda")
+    expert = torch.searchsorted(base, row, right=True) - 1
+    live = row - base[expert] < counts.long()[expert]
+    g = torch.zeros(rows, inter, device="cuda")
+    u = torch.zeros(rows, inter, device="cuda")
+    for e in range(experts):
+        mine = expert == e
+        g[mine], u[mine] = x_ref[mine] @ w1_ref[e].T, x_ref[mine] @ w3_ref[e].T
+    h_ref = g * torch.sigmoid(g) * u
+    h = outs.h.float()
+    if fp8:
+        h = (h.view(rows, -1, 128) * outs.h_scales[:, :, None]).view(rows, inter)
+    assert h[live].isfinite().all(), "a received row's h is not finite"
+    error = ((h[live] - h_ref[live]).norm(dim=1) / h_ref[live].norm(dim=1).clamp_min(1e-3)).max().item()
+    assert error <= ROW_TOLERANCE, error
+    assert not h[~live].isfinite().any(), "a row no expert owns was written"
+    if saved_part:
+        saved = live[:saved_rows]
+        pre = outs.preact.float()
+        want = torch.cat([g, u], dim=1)[:saved_rows]
+        error = ((pre[saved] - want[saved]).norm(dim=1) / want[saved].norm(dim=1).clamp_min(1e-3)).max().item()
+        assert error <= ROW_TOLERANCE, ("preact", error)
+        assert not pre[~saved].isfinite().any(), "a row no expert owns was saved"
+    again = run()
+    assert torch.equal(again.h.float().nan_to_num(), outs.h.float().nan_to_num()), "two runs differ"

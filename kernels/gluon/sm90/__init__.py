@@ -30,8 +30,10 @@ passed the MMA wait before it (the wait is warpgroup-wide), so the stage is free
 ``grouped_gemm`` is the kernel and its host launcher. ``token_grouped_gemm`` runs the same
 partitions on a schedule grouped along K (``schedule.TokenBlockTiles``: the weight
 gradients, each expert contracting its own token blocks), with the same protocol.
-``swiglu_grad_gemm`` is the backward's first GEMM: its load warp waits for the rows the
-dispatch is still bringing (``arrivals``: before a tile's first copy, every chunk its rows
-come from at the call's epoch, as ``kernels.sync`` specifies), and its consumers run the
-SwiGLU backward as the epilogue (``epilogue.swiglu_backward_rows``).
+``gate_up_gemm`` (GEMM1) and ``swiglu_grad_gemm`` (the backward's first GEMM) read rows the
+dispatch may still be bringing: their load warp waits for them (``arrivals``: before a
+tile's first copy, every chunk its rows come from at the call's epoch, as ``kernels.sync``
+specifies). GEMM1's two consumer warpgroups multiply the same rows by W1 and W3 and hand
+the up projection over through shared memory (``mma.gate_up_mma_partition``); the
+backward's runs the SwiGLU backward as its epilogue (``epilogue.swiglu_backward_rows``).
 """

@@ -7,6 +7,9 @@ those rows only through the stages it fills, and the per-row words they read in 
 epilogue (the scores) after the tile's last stage.
 """
 
+from dataclasses import dataclass
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
@@ -55,13 +58,15 @@ class ChunkArrivals:
         self.ep_pad = gl.constexpr(ep_pad)
 
     @gluon.jit
-    def wait_rows(self, expert, base, row0, local_experts, epoch, BLOCK_M: gl.constexpr, WARPS: gl.constexpr):
-        """Wait until every source's chunks (``BLOCK_M`` rows each) that overlap rows ``[row0,
-        row0 + BLOCK_M)`` of local expert ``expert`` (its rows from ``base``) hold ``epoch``,
-        then acquire them at system scope (``sync.wait_all``'s rules: volatile polls, the
-        clock and the ABORT words every ``POLLS_PER_CHECK`` polls, ``sync.fail`` past the
-        deadline or on a peer's failure). A tile of ``BLOCK_M`` rows meets at most two
-        chunks of each source."""
+    def wait_rows(self, expert, base, row0, local_experts, epoch, TILE_M: gl.constexpr, CHUNK_M: gl.constexpr,
+                  WARPS: gl.constexpr):
+        """Wait until every source's chunks (``CHUNK_M`` rows each: the layout's blocks) that
+        overlap rows ``[row0, row0 + TILE_M)`` of local expert ``expert`` (its rows from
+        ``base``) hold ``epoch``, then acquire them at system scope (``sync.wait_all``'s
+        rules: volatile polls, the clock and the ABORT words every ``POLLS_PER_CHECK``
+        polls, ``sync.fail`` past the deadline or on a peer's failure). A tile of at most
+        ``CHUNK_M`` rows meets at most two chunks of each source."""
+        gl.static_assert(TILE_M <= CHUNK_M, "a tile meets at most two chunks of a source")
         grid: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
         peers_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
         s = gl.arange(0, self.ep_pad, layout=gl.SliceLayout(1, grid))[:, None]
@@ -70,9 +75,9 @@ class ChunkArrivals:
         seg = base + gl.load(self.src_offset + s * local_experts + expert, mask=source, other=0)
         n = gl.load(self.src_rows + s * local_experts + expert, mask=source, other=0)
         lo = gl.maximum(row0, seg)
-        hi = gl.minimum(row0 + BLOCK_M, seg + n)
-        chunk = (lo - seg) // BLOCK_M + second
-        need = source & (lo < hi) & (chunk <= (hi - 1 - seg) // BLOCK_M)
+        hi = gl.minimum(row0 + TILE_M, seg + n)
+        chunk = (lo - seg) // CHUNK_M + second
+        need = source & (lo < hi) & (chunk <= (hi - 1 - seg) // CHUNK_M)
         ids = (s * local_experts + expert) * self.max_chunks + chunk
         waited = self.flags + self.chunk_ready + ids
         peers = gl.arange(0, self.ep_pad, layout=peers_layout)
@@ -106,3 +111,21 @@ class ChunkArrivals:
         else:
             gl.atomic_add(waited, gl.zeros_like(seen), mask=need, sem="acquire", scope="sys")
             _fence_proxy_async()
+
+
+@dataclass(frozen=True)
+class ChunkFlags:
+    """Where this rank's received chunks are announced (``kernels.sync``): its flag buffer
+    and every rank's address of it, its state words, each source's rows per local expert
+    (``[ep, local experts]`` int32), and the flag buffer's CHUNK_READY offset and chunks
+    per source and expert (``sync.FlagLayout``)."""
+
+    flags: torch.Tensor
+    flag_ptrs: torch.Tensor
+    state: torch.Tensor
+    src_offset: torch.Tensor
+    src_rows: torch.Tensor
+    rank: int
+    ep: int
+    chunk_ready: int
+    max_chunks: int

@@ -122,6 +122,8 @@ class SwigluGradOutputs:
 
 SWIGLU_GRAD_PARTS = gl.constexpr(4)
 """Column parts of the backward's first GEMM's epilogue, formed one after the other."""
+GATE_UP_PARTS = gl.constexpr(4)
+"""Column parts of GEMM1's epilogue, formed one after the other."""
 
 
 @gluon.jit
@@ -211,3 +213,80 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
         gl.store(at_s + inter // BLOCK_N, scale_b, mask=owned)
     # The next tile's accumulator overwrites the staging buffer.
     thread_barrier()
+
+
+@aggregate
+class GateUpOutputs:
+    """What GEMM1 stores by row of the receive layout: ``h [rows, I]`` (``silu(g) * u``
+    rounded to ``act_dtype``), with ``scale_k`` (128) in e4m3 (the epilogue also takes
+    ``h_scales [rows, I / scale_k]``), and with ``save`` the pre-activations ``[g | u]`` of
+    the rows below ``saved_rows`` (into the epilogue's ``preact [saved_rows, 2I]``)."""
+
+    h: gl.tensor
+    saved_rows: gl.tensor
+    inter: gl.constexpr
+    act_dtype: gl.constexpr
+    scale_k: gl.constexpr
+    power_of_two: gl.constexpr
+    save: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, h, saved_rows, inter, act_dtype, scale_k, power_of_two, save):
+        self.h = h
+        self.saved_rows = saved_rows
+        self.inter = gl.constexpr(inter)
+        self.act_dtype = gl.constexpr(act_dtype)
+        self.scale_k = gl.constexpr(scale_k)
+        self.power_of_two = gl.constexpr(power_of_two)
+        self.save = gl.constexpr(save)
+
+
+@gluon.jit
+def _gate_up_part(staging, j, rows, live, n0, outs, preact, STORE: gl.constexpr):
+    """Part ``j`` (``GATE_UP_PARTS`` of the tile's columns) of ``g`` and ``u`` from the
+    staging buffers, ``h = silu(g) * u`` rounded to the activation dtype; with ``STORE``
+    also the saved rows' pre-activations."""
+    BLOCK_N: gl.constexpr = staging.shape[2]
+    PART_N: gl.constexpr = BLOCK_N // GATE_UP_PARTS
+    layout: gl.constexpr = store_layout(PART_N, 4)
+    g = staging.index(0).slice(j * PART_N, PART_N, dim=1).load(layout)
+    u = staging.index(1).slice(j * PART_N, PART_N, dim=1).load(layout)
+    cols = n0 + j * PART_N + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
+    if STORE:
+        if outs.save:
+            saved = (live & (rows < outs.saved_rows))[:, None]
+            at = rows.to(gl.int64)[:, None] * (2 * outs.inter) + cols[None, :]
+            gl.store(preact + at, g.to(preact.dtype.element_ty), mask=saved)
+            gl.store(preact + at + outs.inter, u.to(preact.dtype.element_ty), mask=saved)
+    h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(outs.act_dtype).to(gl.float32)
+    return h, rows.to(gl.int64)[:, None] * outs.inter + cols[None, :]
+
+
+@gluon.jit
+def gate_up_rows(staging, outs, h_scales, preact, rows0, row_end, n0):
+    """GEMM1's epilogue on a tile's 64 rows from ``rows0`` (those from ``row_end`` on belong
+    to the next expert or to no one: not stored) and its ``BLOCK_N`` intermediate columns
+    from ``n0``: ``staging [2, 64, BLOCK_N]`` fp32 holds the gate and up accumulators;
+    ``h`` stored in the activation dtype, or quantized (``scale_k``: the tile is one scale
+    block of each row, its scale into ``h_scales``), formed in ``GATE_UP_PARTS`` column
+    parts, each with one part's temporaries live (quantized: twice, the row's scale
+    known after the first pass)."""
+    BLOCK_N: gl.constexpr = staging.shape[2]
+    layout: gl.constexpr = store_layout(BLOCK_N // GATE_UP_PARTS, 4)
+    rows = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    live = rows < row_end
+    if outs.scale_k == 0:
+        for j in gl.static_range(GATE_UP_PARTS):
+            h, at = _gate_up_part(staging, j, rows, live, n0, outs, preact, STORE=True)
+            gl.store(outs.h + at, h.to(outs.h.dtype.element_ty), mask=live[:, None])
+    else:
+        gl.static_assert(outs.scale_k == BLOCK_N, "a tile is one scale block of h")
+        amax = gl.zeros([64], gl.float32, gl.SliceLayout(1, layout))
+        for j in gl.static_range(GATE_UP_PARTS):
+            h, _ = _gate_up_part(staging, j, rows, live, n0, outs, preact, STORE=True)
+            amax = gl.maximum(amax, gl.max(gl.abs(h), axis=1))
+        scale, multiplier = e4m3_scale(amax, outs.power_of_two)
+        for j in gl.static_range(GATE_UP_PARTS):
+            h, at = _gate_up_part(staging, j, rows, live, n0, outs, preact, STORE=False)
+            gl.store(outs.h + at, (h * multiplier[:, None]).to(gl.float8e4nv), mask=live[:, None])
+        gl.store(h_scales + rows.to(gl.int64) * (outs.inter // BLOCK_N) + n0 // BLOCK_N, scale, mask=live)

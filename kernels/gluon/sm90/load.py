@@ -14,6 +14,8 @@ LOAD_WARPS = gl.constexpr(1)
 """Warps of the load partition: it only issues copies (scalar work)."""
 LOAD_REGISTERS = gl.constexpr(40)
 """Its register budget: what is left goes to the consumer warpgroups."""
+ARRIVAL_LOAD_REGISTERS = gl.constexpr(56)
+"""Its budget where it waits for arrivals (``load_arrived_rows``): the waits spill in 40."""
 
 
 @gluon.jit
@@ -44,27 +46,35 @@ def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
 
 
 @gluon.jit
-def load_arrived_rows(a_desc, b_desc, ring, tiles, arrivals, virtual_end, spec):
-    """``load_partition`` for one B over the tiles of the blocks below virtual row
-    ``virtual_end``, each tile's A rows copied only once they have arrived
-    (``arrivals.wait_rows``: the rows another kernel, or other ranks, are still
-    dispatching)."""
-    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+def load_arrived_rows(a_desc, b_desc, b2_desc, ring, tiles, arrivals, tile_count, spec):
+    """``load_partition`` over the program's tiles below ``tile_count``, each tile's A rows
+    copied only once they have arrived (``arrivals.wait_rows``: the rows another kernel,
+    or other ranks, are still dispatching); tiles whose rows all lie past their expert's
+    (the second half of a block, where ``tiles_per_block`` is 2) are skipped, as the
+    consumers skip them."""
+    b_copies: gl.constexpr = 2 if spec.two_b else 1
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_copies * b_desc.block_type.nbytes
     epoch = gl.load(arrivals.state + EPOCH)
     step = 0
-    for t in range(gl.program_id(0), tiles.count_below(virtual_end, spec), gl.num_programs(0)):
-        expert, row0, _, n0 = tiles.tile(t, spec, WARPS=LOAD_WARPS)
-        arrivals.wait_rows(expert, gl.load(tiles.local_base + expert), row0, tiles.local_experts, epoch,
-                           BLOCK_M=spec.block_m, WARPS=LOAD_WARPS)
-        for k in range(0, spec.k, spec.block_k):
-            s, ready = ring.fill(step, spec)
-            mbarrier.expect(ready, stage_bytes)
-            tma_load(a_desc, [row0, k], ready, ring.a.index(s))
-            if spec.b_k_major:
-                tma_load(b_desc, [expert * spec.n + n0, k], ready, ring.b.index(s))
-            else:
-                tma_load(b_desc, [expert * spec.k + k, n0], ready, ring.b.index(s))
-            step += 1
+    for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
+        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=LOAD_WARPS)
+        if row0 < row_end:
+            arrivals.wait_rows(expert, gl.load(tiles.local_base + expert), row0, tiles.local_experts, epoch,
+                               TILE_M=spec.block_m, CHUNK_M=spec.block_m * spec.tiles_per_block, WARPS=LOAD_WARPS)
+            for k in range(0, spec.k, spec.block_k):
+                s, ready = ring.fill(step, spec)
+                mbarrier.expect(ready, stage_bytes)
+                tma_load(a_desc, [row0, k], ready, ring.a.index(s))
+                if spec.b_k_major:
+                    b_row = expert * spec.n + n0
+                    b_col = k
+                else:
+                    b_row = expert * spec.k + k
+                    b_col = n0
+                tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
+                if spec.two_b:
+                    tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
+                step += 1
 
 
 @gluon.jit

@@ -16,23 +16,31 @@ tiles are 128 columns wide and take one B.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from titan_megamoe.kernels.gluon.sm90.epilogue import (
+    gate_up_rows,
     row_origins,
     row_starts,
     store_layout,
     store_rows,
     swiglu_backward_rows,
+    thread_barrier,
 )
 
 MMA_ROWS = gl.constexpr(64)
 """Rows of a tile per consumer warpgroup (one m64 wgmma)."""
 MMA_WARPS = gl.constexpr(4)
 """Warps of a consumer warpgroup."""
+UP_READY = gl.constexpr(0)
+"""GEMM1's hand-over barriers: warpgroup 1's accumulator is in the staging buffer ..."""
+STAGING_FREE = gl.constexpr(1)
+"""... and warpgroup 0 has read both staging buffers."""
 MMA_REGISTERS = gl.constexpr(232)
 """Register budget of a consumer warpgroup (two of them and the load warp's group fill
 an SM's 64 K registers: 128 x (232 + 232 + 40))."""
+ARRIVAL_MMA_REGISTERS = gl.constexpr(224)
+"""The same beside a load warp that waits for arrivals: 128 x (224 + 224 + 56)."""
 
 
 @gluon.constexpr_function
@@ -46,17 +54,18 @@ def mma_layout(block_n, element_bits):
 def mainloop(ring, step, acc, acc2, spec, WARPGROUP: gl.constexpr):
     """Unscaled operands: ``acc = A B^T`` (and ``acc2 = A B2^T``) over the tile's K steps,
     one step's MMAs in flight while the previous step's stage is released."""
+    both_b: gl.constexpr = spec.two_b and not spec.split_b
     for k in range(spec.k // spec.block_k):
         a, b, b2 = ring.acquire(step, spec, WARPGROUP=WARPGROUP)
         acc = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
-        if spec.two_b:
+        if both_b:
             acc2 = warpgroup_mma(a, b2, acc2, use_acc=k > 0, is_async=True)
             acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
         else:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         ring.release_previous(step, spec, pred=k > 0)
         step += 1
-    if spec.two_b:
+    if both_b:
         acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
     else:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -114,8 +123,8 @@ def promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, 
                        WARPGROUP: gl.constexpr):
     """Blockwise fp8: ``acc = sum_k (A_k B_k^T) * a_scale[:, k] * b_scale[k]`` over the
     tile's 128-deep K blocks. ``a_scale [rows, K / 128]``, ``b_scale [experts, N / 128,
-    K / 128]`` fp32; the tile lies inside one 128-row block of B, so its B scale is one
-    number per K block.
+    K / 128]`` fp32 (the warpgroup's own B's with ``split_b``); the tile lies inside one
+    128-row block of B, so its B scale is one number per K block.
 
     The blocks go in unrolled chunks of ``promote_chunk``: inside one, each block's
     partial is promoted while the next block's MMA runs (two partials alternate, each MMA
@@ -125,7 +134,8 @@ def promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, 
     instruction touches an accumulator in flight (a copy of one, the zeroing of one)."""
     k_blocks: gl.constexpr = spec.k // spec.block_k
     chunk: gl.constexpr = spec.promote_chunk
-    rows = row0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc.type.layout))
+    first: gl.constexpr = 0 if spec.split_b else WARPGROUP * MMA_ROWS  # the warpgroup's first row of the tile
+    rows = row0 + first + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc.type.layout))
     live = rows < row_end  # rows past the expert's: scale 0 (never stored)
     a_scales = a_scale + rows.to(gl.int64) * k_blocks
     b_scales = b_scale + (expert * (spec.n // spec.scale_n) + n0 // spec.scale_n).to(gl.int64) * k_blocks
@@ -194,6 +204,46 @@ def swiglu_grad_mma_partition(ring, tiles, a_scale, b_scale, staging, outs, dab_
         if (t // n_tiles) * spec.block_m + WARPGROUP * MMA_ROWS < virtual_end:
             swiglu_backward_rows(acc, staging.index(WARPGROUP), outs, dab_q, dab_scales, row0 + WARPGROUP * MMA_ROWS,
                                  row_end, n0)
+
+
+@gluon.jit
+def gate_up_mma_partition(ring, tiles, a_scale, b_scale, staging, handoff, outs, h_scales, preact, tile_count, spec,
+                          WARPGROUP: gl.constexpr):
+    """Consumer warpgroup ``WARPGROUP`` of GEMM1 (``split_b``): per tile, its 64 rows times
+    its own weight (warpgroup 0 the gate's W1, 1 the up projection's W3; ``b_scale`` that
+    weight's), then the hand-over through ``staging [2, 64, BLOCK_N]`` fp32 and the two
+    ``handoff`` mbarriers (``UP_READY``, ``STAGING_FREE``): warpgroup 1 waits until the
+    staging buffers are free, stores its accumulator and arrives on UP_READY, then goes on
+    to its next tile's MMAs; warpgroup 0 stores its own, waits on UP_READY, runs the
+    epilogue (``epilogue.gate_up_rows``) and arrives on STAGING_FREE. Tiles whose rows all
+    lie past their expert's are skipped, as the load warp skips them."""
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    gl.static_assert(spec.two_b and spec.split_b, "each warpgroup multiplies by its own weight")
+    step = 0
+    handed = 0  # tiles handed over so far: the handoff barriers' phase
+    for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
+        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
+        if row0 < row_end:
+            acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+            if spec.scale_k > 0:
+                acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                                              WARPGROUP=WARPGROUP)
+            else:
+                acc, _, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+            phase = handed & 1
+            if WARPGROUP == 1:
+                mbarrier.wait(handoff.index(STAGING_FREE), phase ^ 1)  # a fresh barrier counts as released
+                staging.index(1).store(acc)
+                thread_barrier()
+                mbarrier.arrive(handoff.index(UP_READY))
+            else:
+                staging.index(0).store(acc)
+                thread_barrier()
+                mbarrier.wait(handoff.index(UP_READY), phase)
+                gate_up_rows(staging, outs, h_scales, preact, row0, row_end, n0)
+                thread_barrier()
+                mbarrier.arrive(handoff.index(STAGING_FREE))
+            handed += 1
 
 
 @gluon.jit

@@ -71,12 +71,18 @@ class StageRing:
     def acquire(self, step, spec, WARPGROUP: gl.constexpr):
         """Consumer side: wait until stage ``step`` is filled; return its A rows of
         consumer ``WARPGROUP`` (64 of them) and its B and B2 as ``[BLOCK_K, BLOCK_N]``
-        operands."""
+        operands; with ``spec.split_b``, all of its A rows and the warpgroup's own B
+        (returned as both)."""
         s = step % spec.stages
         mbarrier.wait(self.ready.index(s), (step // spec.stages) & 1)
-        a = self.a.index(s).slice(WARPGROUP * 64, 64, dim=0)
-        b = self.b.index(s)
-        b2 = self.b2.index(s)
+        if spec.split_b:
+            a = self.a.index(s)
+            b = (self.b if WARPGROUP == 0 else self.b2).index(s)
+            b2 = b
+        else:
+            a = self.a.index(s).slice(WARPGROUP * 64, 64, dim=0)
+            b = self.b.index(s)
+            b2 = self.b2.index(s)
         if spec.b_k_major:
             b = b.permute((1, 0))
             b2 = b2.permute((1, 0))

@@ -36,8 +36,8 @@ class ExpertTiles:
     @gluon.jit
     def count(self, spec):
         """Tiles of the call: the layout's virtual blocks (read on the device) times the
-        column blocks."""
-        return gl.load(self.num_blocks).to(gl.int32) * (spec.n // spec.block_n)
+        tiles of rows per block and the column blocks."""
+        return gl.load(self.num_blocks).to(gl.int32) * spec.tiles_per_block * (spec.n // spec.block_n)
 
     @gluon.jit
     def tile(self, t, spec, WARPS: gl.constexpr):

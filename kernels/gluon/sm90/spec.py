@@ -33,10 +33,16 @@ class GemmSpec:
     """Blockwise fp8: rows of B per scale (128)."""
     promote_chunk: gl.constexpr
     """Blockwise fp8: K blocks per unrolled chunk of the promoting mainloop."""
+    split_b: gl.constexpr
+    """With two B: each consumer warpgroup multiplies all of the tile's ``block_m`` rows by
+    its own B (warpgroup 0 by B, 1 by B2), instead of its 64 rows by both."""
+    tiles_per_block: gl.constexpr
+    """Tiles of ``block_m`` rows per block of the receive layout (its virtual rows count
+    whole blocks of ``block_m * tiles_per_block``)."""
 
     @gluon.constexpr_function
     def __init__(self, epilogue, combine, n, k, block_m, block_n, block_k, stages, mma_warpgroups, local_pad,
-                 two_b, b_k_major, scale_k, scale_n, promote_chunk):
+                 two_b, b_k_major, scale_k, scale_n, promote_chunk, split_b=False, tiles_per_block=1):
         self.epilogue = gl.constexpr(epilogue)
         self.combine = gl.constexpr(combine)
         self.n = gl.constexpr(n)
@@ -52,6 +58,8 @@ class GemmSpec:
         self.scale_k = gl.constexpr(scale_k)
         self.scale_n = gl.constexpr(scale_n)
         self.promote_chunk = gl.constexpr(promote_chunk)
+        self.split_b = gl.constexpr(split_b)
+        self.tiles_per_block = gl.constexpr(tiles_per_block)
 
 
 @aggregate
@@ -74,6 +82,8 @@ class TokenGemmSpec:
     """False: one B (read by the stage ring, as ``GemmSpec``'s)."""
     b_k_major: gl.constexpr
     """True: B token-major, K-major (read by the stage ring)."""
+    split_b: gl.constexpr
+    """False (read by the stage ring, as ``GemmSpec``'s)."""
 
     @gluon.constexpr_function
     def __init__(self, m, n, split_m, block_m, block_n, block_k, stages, mma_warpgroups):
@@ -87,3 +97,4 @@ class TokenGemmSpec:
         self.mma_warpgroups = gl.constexpr(mma_warpgroups)
         self.two_b = gl.constexpr(False)
         self.b_k_major = gl.constexpr(True)
+        self.split_b = gl.constexpr(False)

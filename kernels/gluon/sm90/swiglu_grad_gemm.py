@@ -4,7 +4,7 @@
 transposed ``[experts, I, H]``, or bf16 W2 as stored ``[experts, H, I]``), then the SwiGLU
 backward as the epilogue (``epilogue.swiglu_backward_rows``): ``[da | db]``, its e4m3
 copy, ``h_wgrad`` and the score-gradient parts, from GEMM1's saved pre-activations. It
-computes the tiles ``backward_dispatch_gemm1_kernel`` computes for the saved rows
+computes the tiles ``dispatch_grad_gemm1_kernel`` computes for the saved rows
 (``SAVED_TILES``); that kernel dispatches the rows before it (``DISPATCH_ONLY``) and
 recomputes the rows past the saved ones after it (``PAST_SAVED_TILES``).
 
@@ -23,20 +23,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkArrivals
+from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkArrivals, ChunkFlags
 from titan_megamoe.kernels.gluon.sm90.epilogue import SwigluGradOutputs
 from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GL_DTYPES, ExpertLayout, GemmTiles, tma_descriptor
-from titan_megamoe.kernels.gluon.sm90.load import LOAD_WARPS, load_arrived_rows
-from titan_megamoe.kernels.gluon.sm90.mma import MMA_ROWS, MMA_WARPS, swiglu_grad_mma_partition
+from titan_megamoe.kernels.gluon.sm90.load import ARRIVAL_LOAD_REGISTERS, LOAD_WARPS, load_arrived_rows
+from titan_megamoe.kernels.gluon.sm90.mma import ARRIVAL_MMA_REGISTERS, MMA_ROWS, MMA_WARPS, swiglu_grad_mma_partition
 from titan_megamoe.kernels.gluon.sm90.ring import StageRing
 from titan_megamoe.kernels.gluon.sm90.schedule import ExpertTiles
 from titan_megamoe.kernels.gluon.sm90.spec import GemmSpec
 from titan_megamoe.kernels.launch import launch
-
-WAITING_LOAD_REGISTERS = gl.constexpr(56)
-"""The load warp's register budget: its arrival waits (``arrivals``) spill in the core's 40."""
-CONSUMER_REGISTERS = gl.constexpr(224)
-"""What that leaves each consumer warpgroup: 128 x (224 + 224 + 56) of an SM's 64 K."""
 
 SWIGLU_GRAD_BLOCK_N = 128
 """Intermediate columns per tile: two 64-column halves in the epilogue, and blockwise
@@ -72,26 +67,9 @@ def swiglu_grad_gemm_kernel(a_desc, b_desc, a_scale, b_scale, block_base, local_
                                      0)),
         (swiglu_grad_mma_partition, (ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end, spec,
                                      1)),
-        (load_arrived_rows, (a_desc, b_desc, ring, tiles, arrivals, virtual_end, spec)),
-    ], [MMA_WARPS, LOAD_WARPS], [CONSUMER_REGISTERS, WAITING_LOAD_REGISTERS])
-
-
-@dataclass(frozen=True)
-class ChunkFlags:
-    """Where this rank's received chunks are announced (``kernels.sync``): its flag buffer
-    and every rank's address of it, its state words, each source's rows per local expert
-    (``[ep, local experts]`` int32), and the flag buffer's CHUNK_READY offset and chunks
-    per source and expert (``sync.FlagLayout``)."""
-
-    flags: torch.Tensor
-    flag_ptrs: torch.Tensor
-    state: torch.Tensor
-    src_offset: torch.Tensor
-    src_rows: torch.Tensor
-    rank: int
-    ep: int
-    chunk_ready: int
-    max_chunks: int
+        (load_arrived_rows, (a_desc, b_desc, b_desc, ring, tiles, arrivals, tiles.count_below(virtual_end, spec),
+                             spec)),
+    ], [MMA_WARPS, LOAD_WARPS], [ARRIVAL_MMA_REGISTERS, ARRIVAL_LOAD_REGISTERS])
 
 
 @dataclass(frozen=True)
