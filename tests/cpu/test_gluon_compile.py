@@ -127,18 +127,24 @@ def test_token_grouped_gemm_host_checks_name_what_does_not_fit():
             token_grouped_gemm(**args, programs=4)
 
 
+def _one_rank_chunks():
+    """Arrival words of one rank receiving two experts' rows (host checks only: no kernel runs)."""
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+
+    return ChunkFlags(torch.zeros(64, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                      torch.zeros(16, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
+                      torch.zeros(2, dtype=torch.int32), rank=0, ep=1, chunk_ready=16, max_chunks=1)
+
+
 def test_swiglu_grad_gemm_host_checks_name_what_does_not_fit():
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
 
     layout = ExpertLayout.from_counts(torch.tensor([3, 5]), block_m=128, row_align=32)
     rows, hidden, inter = layout.rows + 128, 256, 256
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     dy, w2t = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(2, inter, hidden, dtype=bf16)
-    chunks = ChunkFlags(torch.zeros(64, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(16, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
-                        torch.zeros(2, dtype=torch.int32), rank=0, ep=1, chunk_ready=16, max_chunks=1)
+    chunks = _one_rank_chunks()
     outs = SwigluGradTensors(torch.zeros(rows, 2 * inter, dtype=bf16), torch.zeros(rows),
                              torch.empty(rows, 2 * inter, dtype=bf16), torch.empty(rows, inter, dtype=bf16),
                              torch.empty(rows, 2))
@@ -161,7 +167,6 @@ def test_swiglu_grad_gemm_host_checks_name_what_does_not_fit():
 
 
 def test_gate_up_gemm_host_checks_name_what_does_not_fit():
-    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
 
@@ -169,9 +174,7 @@ def test_gate_up_gemm_host_checks_name_what_does_not_fit():
     rows, hidden, inter = layout.rows + 128, 256, 256
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     x, w = torch.zeros(rows, hidden, dtype=bf16), torch.zeros(2, inter, hidden, dtype=bf16)
-    chunks = ChunkFlags(torch.zeros(64, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(16, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
-                        torch.zeros(2, dtype=torch.int32), rank=0, ep=1, chunk_ready=16, max_chunks=1)
+    chunks = _one_rank_chunks()
     outs = GateUpTensors(torch.empty(rows, inter, dtype=bf16))
     cases = [
         (dict(x=x.to(torch.float16)), "bf16 or e4m3"),

@@ -193,6 +193,21 @@ def test_token_grouped_gemm_matches_fp32(m, n, split, counts, programs, impl):
     assert torch.equal(run(), out), "two runs differ"
 
 
+def _arrived(counts: torch.Tensor, epoch: int = 3):
+    """The arrival words of one rank whose every chunk (128 rows of an expert) arrived in
+    the call of ``epoch``: ``counts[e]`` rows of local expert ``e``, all from itself."""
+    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
+    from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
+
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device="cuda")
+    state[EPOCH.value] = epoch
+    max_chunks, chunk_ready = int(-(-counts.max() // 128)), 8
+    flags = torch.full((chunk_ready + counts.numel() * max_chunks,), epoch, dtype=torch.int64, device="cuda")
+    return ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
+                      torch.zeros(counts.numel(), dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0,
+                      ep=1, chunk_ready=chunk_ready, max_chunks=max_chunks)
+
+
 @pytest.mark.parametrize("precision, w2_as_stored, score_before, saved_part, programs", [
     ("bf16", True, False, 1.0, None),   # the bf16 row's form: W2 as stored, an N-major B
     ("bf16", False, True, 1.0, None),
@@ -207,10 +222,8 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     in each expert's padding rows, nothing written past them or past the saved rows' tiles;
     one source whose chunks have all arrived (``ChunkFlags``); twice bit for bit."""
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-    from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
     from titan_megamoe.precision import get_precision
 
     hidden, inter, saved_m, align = 512, 384, 64, 32
@@ -240,15 +253,7 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     # and 10 more, so its first block is half the core's and half the tl kernel's.
     deep = COUNTS.index(1024)
     saved_rows = rows if saved_part == 1.0 else int(base[deep]) + saved_m + 10
-    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device="cuda")
-    state[EPOCH.value] = 3
-    max_chunks = int(-(-counts.max() // 128))
-    chunk_ready = 8
-    flags = torch.zeros(chunk_ready + experts * max_chunks, dtype=torch.int64, device="cuda")
-    flags[chunk_ready:] = 3  # every chunk arrived in this call (epoch 3)
-    chunks = ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
-                        torch.zeros(experts, dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0, ep=1,
-                        chunk_ready=chunk_ready, max_chunks=max_chunks)
+    chunks = _arrived(counts)
 
     def run():
         nan = float("nan")
@@ -323,11 +328,9 @@ def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
     (fp8: dequantized from its e4m3 and scales), the pre-activations of the saved rows,
     nothing written past each expert's rows or past the saved ones; one source whose
     chunks have all arrived; twice bit for bit."""
-    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-    from titan_megamoe.kernels.sync import EPOCH, STATE_WORDS
     from titan_megamoe.precision import get_precision
 
     hidden, inter, align = 512, 384, 32
@@ -356,14 +359,7 @@ def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
         x_ref, w1_ref, w3_ref = x.float(), w1.float(), w3.float()
     base = layout.local_base.long()
     saved_rows = rows if saved_part == 1.0 else int(saved_part * rows) // 64 * 64 + 10  # mid-tile
-    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device="cuda")
-    state[EPOCH.value] = 5
-    max_chunks = int(-(-counts.max() // 128))
-    chunk_ready = 8
-    flags = torch.full((chunk_ready + experts * max_chunks,), 5, dtype=torch.int64, device="cuda")
-    chunks = ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
-                        torch.zeros(experts, dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0, ep=1,
-                        chunk_ready=chunk_ready, max_chunks=max_chunks)
+    chunks = _arrived(counts)
 
     def run():
         nan = float("nan")

@@ -19,30 +19,38 @@ ARRIVAL_LOAD_REGISTERS = gl.constexpr(56)
 
 
 @gluon.jit
-def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
-    """Fill stage after stage: the A tile ``[BLOCK_M, BLOCK_K]`` at the tile's first row
-    (rows past the tensor read as zeros), the B tile of the tile's expert, K-major
-    ``[BLOCK_N, BLOCK_K]`` out of ``[experts * N, K]`` or N-major ``[BLOCK_K, BLOCK_N]`` out
-    of ``[experts * K, N]``, and with a second B the same tile of B2."""
+def _load_tile(a_desc, b_desc, b2_desc, ring, step, expert, row0, n0, spec):
+    """The K steps of one tile into the stages from ``step`` on: the A tile ``[BLOCK_M,
+    BLOCK_K]`` at the tile's first row (rows past the tensor read as zeros), the B tile of
+    the tile's expert, K-major ``[BLOCK_N, BLOCK_K]`` out of ``[experts * N, K]`` or N-major
+    ``[BLOCK_K, BLOCK_N]`` out of ``[experts * K, N]``, and with a second B the same tile of
+    B2. Returns the next step."""
     b_copies: gl.constexpr = 2 if spec.two_b else 1
     stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_copies * b_desc.block_type.nbytes
+    for k in range(0, spec.k, spec.block_k):
+        s, ready = ring.fill(step, spec)
+        mbarrier.expect(ready, stage_bytes)
+        tma_load(a_desc, [row0, k], ready, ring.a.index(s))
+        if spec.b_k_major:
+            b_row = expert * spec.n + n0
+            b_col = k
+        else:
+            b_row = expert * spec.k + k
+            b_col = n0
+        tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
+        if spec.two_b:
+            tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
+        step += 1
+    return step
+
+
+@gluon.jit
+def load_partition(a_desc, b_desc, b2_desc, ring, tiles, spec):
+    """Fill stage after stage with the program's tiles (``_load_tile``)."""
     step = 0
     for t in range(gl.program_id(0), tiles.count(spec), gl.num_programs(0)):
         expert, row0, _, n0 = tiles.tile(t, spec, WARPS=LOAD_WARPS)
-        for k in range(0, spec.k, spec.block_k):
-            s, ready = ring.fill(step, spec)
-            mbarrier.expect(ready, stage_bytes)
-            tma_load(a_desc, [row0, k], ready, ring.a.index(s))
-            if spec.b_k_major:
-                b_row = expert * spec.n + n0
-                b_col = k
-            else:
-                b_row = expert * spec.k + k
-                b_col = n0
-            tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
-            if spec.two_b:
-                tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
-            step += 1
+        step = _load_tile(a_desc, b_desc, b2_desc, ring, step, expert, row0, n0, spec)
 
 
 @gluon.jit
@@ -52,8 +60,6 @@ def load_arrived_rows(a_desc, b_desc, b2_desc, ring, tiles, arrivals, tile_count
     or other ranks, are still dispatching); tiles whose rows all lie past their expert's
     (the second half of a block, where ``tiles_per_block`` is 2) are skipped, as the
     consumers skip them."""
-    b_copies: gl.constexpr = 2 if spec.two_b else 1
-    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_copies * b_desc.block_type.nbytes
     epoch = gl.load(arrivals.state + EPOCH)
     step = 0
     for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
@@ -61,20 +67,7 @@ def load_arrived_rows(a_desc, b_desc, b2_desc, ring, tiles, arrivals, tile_count
         if row0 < row_end:
             arrivals.wait_rows(expert, gl.load(tiles.local_base + expert), row0, tiles.local_experts, epoch,
                                TILE_M=spec.block_m, CHUNK_M=spec.block_m * spec.tiles_per_block, WARPS=LOAD_WARPS)
-            for k in range(0, spec.k, spec.block_k):
-                s, ready = ring.fill(step, spec)
-                mbarrier.expect(ready, stage_bytes)
-                tma_load(a_desc, [row0, k], ready, ring.a.index(s))
-                if spec.b_k_major:
-                    b_row = expert * spec.n + n0
-                    b_col = k
-                else:
-                    b_row = expert * spec.k + k
-                    b_col = n0
-                tma_load(b_desc, [b_row, b_col], ready, ring.b.index(s))
-                if spec.two_b:
-                    tma_load(b2_desc, [b_row, b_col], ready, ring.b2.index(s))
-                step += 1
+            step = _load_tile(a_desc, b_desc, b2_desc, ring, step, expert, row0, n0, spec)
 
 
 @gluon.jit

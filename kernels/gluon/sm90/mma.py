@@ -152,6 +152,21 @@ def promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, 
 
 
 @gluon.jit
+def one_b_mainloop(ring, step, a_scale, b_scale, expert, row0, row_end, n0, spec, WARPGROUP: gl.constexpr):
+    """``acc = A B^T`` of one warpgroup over a tile with one B (or its own, ``split_b``):
+    ``promoted_mainloop`` for blockwise fp8, ``mainloop`` else. Returns it and the next
+    step."""
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+    if spec.scale_k > 0:
+        acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                                      WARPGROUP=WARPGROUP)
+    else:
+        acc, _, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+    return acc, step
+
+
+@gluon.jit
 def mma_partition(ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank, rows_per_rank, spec,
                   WARPGROUP: gl.constexpr):
     """Consumer warpgroup ``WARPGROUP``: for each of the program's tiles, the mainloop over
@@ -189,18 +204,12 @@ def swiglu_grad_mma_partition(ring, tiles, a_scale, b_scale, staging, outs, dab_
     ``mainloop`` or ``promoted_mainloop``), then the SwiGLU backward on them
     (``epilogue.swiglu_backward_rows``, through the warpgroup's ``staging``) where they lie
     below ``virtual_end`` (past it, where a block straddles it, another kernel owns them)."""
-    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
     n_tiles: gl.constexpr = spec.n // spec.block_n
     gl.static_assert(not spec.two_b, "one B: W2 per expert")
     step = 0
     for t in range(gl.program_id(0), tiles.count_below(virtual_end, spec), gl.num_programs(0)):
         expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
-        acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
-        if spec.scale_k > 0:
-            acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
-                                          WARPGROUP=WARPGROUP)
-        else:
-            acc, _, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+        acc, step = one_b_mainloop(ring, step, a_scale, b_scale, expert, row0, row_end, n0, spec, WARPGROUP=WARPGROUP)
         if (t // n_tiles) * spec.block_m + WARPGROUP * MMA_ROWS < virtual_end:
             swiglu_backward_rows(acc, staging.index(WARPGROUP), outs, dab_q, dab_scales, row0 + WARPGROUP * MMA_ROWS,
                                  row_end, n0)
@@ -217,19 +226,14 @@ def gate_up_mma_partition(ring, tiles, a_scale, b_scale, staging, handoff, outs,
     to its next tile's MMAs; warpgroup 0 stores its own, waits on UP_READY, runs the
     epilogue (``epilogue.gate_up_rows``) and arrives on STAGING_FREE. Tiles whose rows all
     lie past their expert's are skipped, as the load warp skips them."""
-    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
     gl.static_assert(spec.two_b and spec.split_b, "each warpgroup multiplies by its own weight")
     step = 0
     handed = 0  # tiles handed over so far: the handoff barriers' phase
     for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
         expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
         if row0 < row_end:
-            acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
-            if spec.scale_k > 0:
-                acc, step = promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, n0, spec,
-                                              WARPGROUP=WARPGROUP)
-            else:
-                acc, _, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+            acc, step = one_b_mainloop(ring, step, a_scale, b_scale, expert, row0, row_end, n0, spec,
+                                       WARPGROUP=WARPGROUP)
             phase = handed & 1
             if WARPGROUP == 1:
                 mbarrier.wait(handoff.index(STAGING_FREE), phase ^ 1)  # a fresh barrier counts as released
