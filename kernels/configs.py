@@ -223,9 +223,10 @@ class TileConfig:
                              f"{self.gemm1_n} must be 128 and block_m = {self.block_m} a multiple of 64")
         if self.grad1_kernel not in ROWS_GEMM_KERNELS:
             raise ValueError(f"grad1_kernel = {self.grad1_kernel!r}; known: {', '.join(ROWS_GEMM_KERNELS)}")
-        if self.grad1_kernel == "gluon" and self.grad1_saved_n != 128:
-            raise ValueError(f"grad1_kernel = 'gluon' takes tiles 128 columns wide: grad1_saved_n = "
-                             f"{self.grad1_saved_n} must be 128")
+        if self.grad1_kernel == "gluon" and (self.grad1_saved_n != 128 or self.grad1_m % 64):
+            raise ValueError(f"grad1_kernel = 'gluon' takes tiles 128 columns wide, and leaves the rows past the saved "
+                             f"ones to tl tiles of whole warpgroups: grad1_saved_n = {self.grad1_saved_n} must be "
+                             f"128 and grad1_m = {self.grad1_m} a multiple of 64")
         if self.dgrad_kernel == "gluon" and self.w13_as_stored_rows:
             raise ValueError("dgrad_kernel = 'gluon' reads [W1 | W3] transposed: w13_as_stored_rows must be 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):

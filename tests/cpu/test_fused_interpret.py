@@ -699,7 +699,7 @@ def _quantized_matches_reference(rank, world, precision, tile_changes):
 @pytest.mark.parametrize("precision, tile_changes",
                          [("fp8", {}), ("fp8_bwd", {}), ("fp8_wgrad_bf16", {}), ("mxfp8", {}),
                           ("fp8", {"gemm1_kernel": "gluon", "gemm1_n": 128, "grad1_kernel": "gluon",
-                                   "grad1_saved_n": 128, "block_m": 64}),
+                                   "grad1_saved_n": 128, "grad1_m": 64, "block_m": 64}),
                           ("mxfp8_wgrad_bf16", {"mx_dequantized_weights": 1}),
                           ("mxfp8", {"mx_upcast": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),
                           ("mxfp8", {"mx_in_bf16": 1, "mx_wgrad_dequantized": 1, "block_m": 32, "row_align": 32}),

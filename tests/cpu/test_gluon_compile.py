@@ -156,6 +156,7 @@ def test_swiglu_grad_gemm_host_checks_name_what_does_not_fit():
         (dict(w2t=torch.zeros(2, 320, hidden, dtype=bf16)), "expected dy \\[rows, 256\\] and preact, dab \\[rows, 640\\]"),
         (dict(w2t=torch.zeros(3, inter, hidden, dtype=bf16)), "places 2 experts' rows"),
         (dict(saved_m=96), "tl tiles 96"),
+        (dict(saved_m=32), "wholly saved or wholly theirs"),
     ]
     for change, message in cases:
         args = dict(dy=dy, w2t=w2t, layout=layout, chunks=chunks, outs=outs, tiles=GemmTiles(128, 64, 4), saved_m=64)
@@ -217,6 +218,7 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
         (dict(wgrad_kernel="gluon", wgrad_m=64), "wgrad_m, wgrad_n, wgrad_k = 64, 128, 128 must be 128"),
         (dict(grad1_kernel="cuda"), "grad1_kernel = 'cuda'; known: tl, gluon"),
         (dict(grad1_kernel="gluon", grad1_saved_n=64), "grad1_saved_n = 64 must be 128"),
+        (dict(grad1_kernel="gluon", grad1_m=32), "grad1_m = 32 a multiple of 64"),
         (dict(gemm1_kernel="cuda"), "gemm1_kernel = 'cuda'; known: tl, gluon"),
         (dict(gemm1_kernel="gluon", gemm1_n=256), "gemm1_n = 256 must be 128"),
     ]

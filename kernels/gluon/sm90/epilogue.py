@@ -1,12 +1,17 @@
 """Epilogues: what a consumer warpgroup does with its rows of a finished tile.
 
-Every epilogue takes the same arguments, so the kernel calls whichever it is given:
-``(acc, acc2, out, dest, live, n0)``. ``acc`` (and ``acc2``, the second B's product, or
-``acc`` again without one) are the warpgroup's fp32 ``[64, BLOCK_N]`` accumulators in the
-MMA layout; ``out`` the output; ``dest`` where each of the warpgroup's rows starts in
-``out`` (int64 element offsets, in the layout ``store_layout`` gives: ``row_starts``);
-rows not ``live`` belong to another expert or to no one and are not stored; ``n0`` the
-tile's first column.
+The grouped GEMM's epilogues (``EPILOGUES``) take the same arguments, so the kernel calls
+whichever it is given: ``(acc, acc2, out, dest, live, n0)``. ``acc`` (and ``acc2``, the
+second B's product, or ``acc`` again without one) are the warpgroup's fp32 ``[64,
+BLOCK_N]`` accumulators in the MMA layout; ``out`` the output; ``dest`` where each of the
+warpgroup's rows starts in ``out`` (int64 element offsets, in the layout ``store_layout``
+gives: ``row_starts``); rows not ``live`` belong to another expert or to no one and are not
+stored; ``n0`` the tile's first column.
+
+GEMM1's (``gate_up_rows``) and the backward's first GEMM's (``swiglu_backward_rows``) read
+more than their accumulators and write several outputs: each takes a record of them
+(``GateUpOutputs``, ``SwigluGradOutputs``) and forms its rows in column parts, through
+shared memory, with one part's temporaries live.
 """
 
 from triton.experimental import gluon

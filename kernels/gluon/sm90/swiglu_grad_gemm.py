@@ -128,6 +128,9 @@ def swiglu_grad_gemm(dy: torch.Tensor, w2t: torch.Tensor, layout: ExpertLayout, 
         raise ValueError(f"the layout places {layout.local_experts} experts' rows in blocks of {layout.block_m}; "
                          f"w2t holds {experts} experts, the tiles are {tiles.block_m} rows and the tl tiles "
                          f"{saved_m}")
+    if saved_m % int(MMA_ROWS):
+        raise ValueError(f"the tl tiles past the saved rows are {saved_m} rows: where they start inside a block, "
+                         f"a consumer warpgroup's {int(MMA_ROWS)} rows must be wholly saved or wholly theirs")
     a_block = [tiles.block_m, tiles.block_k]
     b_block = [tiles.block_n, tiles.block_k] if b_k_major else [tiles.block_k, tiles.block_n]
     if programs is None:
