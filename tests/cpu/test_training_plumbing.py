@@ -144,8 +144,9 @@ def test_train_config_parses(path: Path):
     if variant == "fp8":
         assert config.quantize.grouped_mm.float8.fqns == ["experts"]
     assert (config.mega_moe.precision, config.mega_moe.backend) == ("auto", "auto")
-    # Only the reduced 30B-A3B A/Bs keep GEMM1's pre-activations (full AC holds one layer's).
-    assert config.mega_moe.save_gemm1 is (path.stem in {"qwen3_30b_a3b_4l_mega_moe", "qwen3_30b_a3b_12l_mega_moe"})
+    # Only the reduced 30B-A3B A/Bs keep GEMM1's pre-activations, bf16 and fp8 (full AC holds one layer's).
+    reduced = {f"qwen3_30b_a3b_{layers}_{variant}" for layers in ("4l", "12l") for variant in ("mega_moe", "fp8")}
+    assert config.mega_moe.save_gemm1 is (path.stem in reduced)
     assert config.training.dataset == data.DATASET_NAME
     assert (REPO / config.model.hf_assets_path).resolve() == Path(data.TOKENIZER_DIR)
     assert config.metrics.log_freq == 1

@@ -72,8 +72,7 @@ def test_config_parses_as_torchtitan_loads_it(model, variant, monkeypatch):
     assert len(mega_moe) == (0 if variant == "stock" else len(layers))
     for layer in mega_moe:
         assert (layer.section.precision, layer.section.backend) == ("auto", "auto")
-        assert layer.section.save_gemm1 is (variant == "mega_moe" and model in {"qwen3_30b_a3b_4l",
-                                                                                 "qwen3_30b_a3b_12l"})
+        assert layer.section.save_gemm1 is (variant != "stock" and model in {"qwen3_30b_a3b_4l", "qwen3_30b_a3b_12l"})
         assert layer.auto_precision[0] == ("fp8" if variant == "fp8" else "bf16")
     assert config.dataloader.dataset == data.DATASET_NAME
     assert config.hf_assets_path == data.TOKENIZER_DIR

@@ -50,8 +50,9 @@ class Model:
     full_ac: bool
     """Full activation checkpointing (else selective)."""
     save_gemm1: bool = False
-    """The mega_moe variant keeps GEMM1's pre-activations (under full AC only the layer
-    being recomputed holds them, and the backward is spared a quarter of its GEMM work)."""
+    """The mega_moe and fp8 variants keep GEMM1's pre-activations (under full AC only the
+    layer being recomputed holds them, and the backward is spared a quarter of its GEMM
+    work)."""
 
 
 MODELS: dict[str, Model] = {
@@ -78,7 +79,7 @@ def trainer_config(model: str, variant: str) -> Trainer.Config:
     converters = {
         "stock": [],
         "mega_moe": [MegaMoEConverter.Config(save_gemm1=setup.save_gemm1)],
-        "fp8": [Float8GroupedExpertsConverter.Config(), MegaMoEConverter.Config()],
+        "fp8": [Float8GroupedExpertsConverter.Config(), MegaMoEConverter.Config(save_gemm1=setup.save_gemm1)],
     }[variant]
     model_spec = model_registry(setup.flavor, converters=converters)
     return Trainer.Config(
