@@ -68,6 +68,7 @@ from titan_megamoe.kernels.forward import (
     check_call,
     chunk_flags,
     expert_layout,
+    gluon_takes_rows,
     inputs_key,
     layout,
     pad,
@@ -318,8 +319,8 @@ def runs_gluon_wgrad(tiles: TileConfig, fmt: Format, hidden: int, inter: int) ->
     if fmt.name == "fp8_block" and hidden % FP8_BLOCK == inter % FP8_BLOCK == 0:
         return True
     say_once(f"mega_moe fused: the tile row names the Gluon weight-gradient GEMM, which takes blockwise fp8 and "
-              f"sizes that are multiples of {FP8_BLOCK}; {fmt.name} with hidden size {hidden} and intermediate size "
-              f"{inter} runs the tl kernel instead")
+             f"sizes that are multiples of {FP8_BLOCK}; {fmt.name} with hidden size {hidden} and intermediate size "
+             f"{inter} runs the tl kernel instead")
     return False
 
 
@@ -332,13 +333,13 @@ def runs_gluon_grad1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden:
     cannot, the log says so, once."""
     if tiles.grad1_kernel != "gluon":
         return False
-    operands = fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
-    if operands and not quantize_on_read and inter % SWIGLU_GRAD_BLOCK_N == hidden % tiles.grad1_k == 0:
+    if (gluon_takes_rows(fmt, dtype) and not quantize_on_read
+            and inter % SWIGLU_GRAD_BLOCK_N == hidden % tiles.grad1_k == 0):
         return True
     say_once(f"mega_moe fused: the tile row names the Gluon core for the backward's first kernel, which takes bf16 or "
-              f"blockwise fp8 rows as they crossed and an intermediate size that is a multiple of "
-              f"{SWIGLU_GRAD_BLOCK_N}; {fmt.name} on {dtype} rows (quantized as read: {quantize_on_read}) with "
-              f"intermediate size {inter} runs the tl kernel instead")
+             f"blockwise fp8 rows as they crossed and an intermediate size that is a multiple of "
+             f"{SWIGLU_GRAD_BLOCK_N}; {fmt.name} on {dtype} rows (quantized as read: {quantize_on_read}) with "
+             f"intermediate size {inter} runs the tl kernel instead")
     return False
 
 

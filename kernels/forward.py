@@ -673,6 +673,12 @@ def say_once(message: str) -> None:
     logger.warning(message)
 
 
+def gluon_takes_rows(fmt: Format, dtype: torch.dtype) -> bool:
+    """Whether the Gluon core's GEMM1 and backward's first GEMM take rows in ``fmt`` of
+    activation ``dtype``: blockwise fp8 (any activation dtype: the rows are e4m3), or bf16."""
+    return fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
+
+
 def runs_gluon_gemm1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether GEMM1 runs the Gluon core (``TileConfig.gemm1_kernel``): the row names it,
     and it takes the operands (bf16 rows, or blockwise fp8 ones whose ``h`` is scaled per
@@ -680,8 +686,7 @@ def runs_gluon_gemm1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden:
     it cannot, the log says so, once."""
     if tiles.gemm1_kernel != "gluon":
         return False
-    operands = fmt.name == "fp8_block" or (dtype == torch.bfloat16 and not (fmt.quantized or fmt.round_k))
-    if operands and inter % GATE_UP_BLOCK_N == hidden % tiles.gemm1_k == 0:
+    if gluon_takes_rows(fmt, dtype) and inter % GATE_UP_BLOCK_N == hidden % tiles.gemm1_k == 0:
         return True
     say_once(f"mega_moe fused: the tile row names the Gluon core for GEMM1, which takes bf16 or blockwise fp8 rows and "
              f"an intermediate size that is a multiple of {GATE_UP_BLOCK_N}; {fmt.name} on {dtype} rows with "

@@ -212,8 +212,7 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
                      a_scale=scales[0], b_scale=scales[1], b_k_major=case.b_k_major,
                      epilogue="swiglu" if case.two_b else "store", programs=PROGRAMS)
         compiled += [{**r, "kernel": f"gluon {gemm}"} for r in records]
-    compiled += _compile_gate_up(shape, local, layout, dtype, records)
-    compiled += _compile_swiglu_grad(shape, local, layout, dtype, records)
+    compiled += _compile_swiglu_gemms(shape, local, layout, dtype, records)
     if fp8:  # the weight gradients dW1 and dW3: grouped along the tokens
         from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
 
@@ -230,40 +229,14 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
     return compiled
 
 
-def _compile_gate_up(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
-    """GEMM1 on the core (``gate_up_gemm``) with the tiles the table gives it, saving the
-    pre-activations of half the rows."""
+def _compile_swiglu_gemms(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
+    """GEMM1 (``gate_up_gemm``, saving the pre-activations of half the rows) and the
+    backward's first GEMM (``swiglu_grad_gemm``, every row saved; fp8 on W2 transposed,
+    bf16 on W2 as stored) on the core, with the tiles the table gives them."""
     from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
-    from titan_megamoe.kernels.sync import STATE_WORDS
-
-    layer, fp8 = SHAPES[shape], dtype == torch.float8_e4m3fn
-    hidden, inter = layer.hidden, layer.inter
-    row = tile_config("sm90", "fp8_block" if fp8 else "native")
-    rows = layout.rows + 128
-    w1, w3 = (torch.zeros(local, inter, hidden, dtype=dtype) for _ in range(2))
-    chunks = ChunkFlags(torch.zeros(4096, dtype=torch.int64), torch.zeros(EP, dtype=torch.int64),
-                        torch.zeros(STATE_WORDS, dtype=torch.int64), torch.zeros(EP, local, dtype=torch.int32),
-                        torch.zeros(EP, local, dtype=torch.int32), rank=0, ep=EP, chunk_ready=64, max_chunks=8)
-    outs = GateUpTensors(torch.empty(rows, inter, dtype=dtype), torch.empty(rows, inter // 128) if fp8 else None,
-                         torch.empty(rows // 2, 2 * inter, dtype=torch.bfloat16))
-    scales = torch.ones(local, inter // 128, hidden // 128) if fp8 else None
-    records.clear()
-    gate_up_gemm(torch.zeros(rows, hidden, dtype=dtype), w1, w3, layout, chunks, outs,
-                 GemmTiles(row.gemm1_n, row.gemm1_k, row.gemm1_stages), act_dtype=torch.bfloat16,
-                 x_scale=torch.ones(rows, hidden // 128) if fp8 else None, w1_scale=scales, w3_scale=scales,
-                 programs=PROGRAMS)
-    return [{**r, "kernel": "gluon gemm1"} for r in records]
-
-
-def _compile_swiglu_grad(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
-    """The backward's first GEMM on the core (``swiglu_grad_gemm``) with the tiles the table
-    gives it, every row saved: fp8 on W2 transposed, bf16 on W2 as stored."""
-    from titan_megamoe.kernels.configs import tile_config
-    from titan_megamoe.kernels.gluon.sm90.grouped_gemm import GemmTiles
-    from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.sync import STATE_WORDS
 
@@ -271,22 +244,33 @@ def _compile_swiglu_grad(shape: str, local: int, layout, dtype: torch.dtype, rec
     hidden, inter = layer.hidden, layer.inter
     row = tile_config("sm90", "fp8_block" if fp8 else "native")
     rows = layout.rows + 128
-    w2t = torch.zeros((local, inter, hidden) if fp8 else (local, hidden, inter), dtype=dtype)
     chunks = ChunkFlags(torch.zeros(4096, dtype=torch.int64), torch.zeros(EP, dtype=torch.int64),
                         torch.zeros(STATE_WORDS, dtype=torch.int64), torch.zeros(EP, local, dtype=torch.int32),
                         torch.zeros(EP, local, dtype=torch.int32), rank=0, ep=EP, chunk_ready=64, max_chunks=8)
-    outs = SwigluGradTensors(
+    row_scales = torch.ones(rows, hidden // 128) if fp8 else None
+    weight_scales = torch.ones(local, inter // 128, hidden // 128) if fp8 else None
+    compiled = []
+
+    records.clear()
+    w1, w3 = (torch.zeros(local, inter, hidden, dtype=dtype) for _ in range(2))
+    gate_up = GateUpTensors(torch.empty(rows, inter, dtype=dtype), torch.empty(rows, inter // 128) if fp8 else None,
+                            torch.empty(rows // 2, 2 * inter, dtype=torch.bfloat16))
+    gate_up_gemm(torch.zeros(rows, hidden, dtype=dtype), w1, w3, layout, chunks, gate_up,
+                 GemmTiles(row.gemm1_n, row.gemm1_k, row.gemm1_stages), act_dtype=torch.bfloat16,
+                 x_scale=row_scales, w1_scale=weight_scales, w3_scale=weight_scales, programs=PROGRAMS)
+    compiled += [{**r, "kernel": "gluon gemm1"} for r in records]
+
+    records.clear()
+    w2t = torch.zeros((local, inter, hidden) if fp8 else (local, hidden, inter), dtype=dtype)
+    swiglu_grad = SwigluGradTensors(
         torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows), torch.empty(rows, 2 * inter,
         dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16), torch.empty(rows, inter // 128),
         torch.empty(rows, 2 * inter, dtype=dtype) if fp8 else None, torch.empty(rows, 2 * inter // 128) if fp8 else None)
-    records.clear()
-    swiglu_grad_gemm(torch.zeros(rows, hidden, dtype=dtype), w2t, layout, chunks, outs,
+    swiglu_grad_gemm(torch.zeros(rows, hidden, dtype=dtype), w2t, layout, chunks, swiglu_grad,
                      GemmTiles(row.grad1_saved_n, row.grad1_k, row.grad1_saved_stages),
-                     saved_m=row.grad1_m, score_before_experts=False, row_align=32,
-                     dy_scale=torch.ones(rows, hidden // 128) if fp8 else None,
-                     w2t_scale=torch.ones(local, inter // 128, hidden // 128) if fp8 else None, b_k_major=fp8,
-                     programs=PROGRAMS)
-    return [{**r, "kernel": "gluon swiglu_grad"} for r in records]
+                     saved_m=row.grad1_m, score_before_experts=False, row_align=32, dy_scale=row_scales,
+                     w2t_scale=weight_scales, b_k_major=fp8, programs=PROGRAMS)
+    return compiled + [{**r, "kernel": "gluon swiglu_grad"} for r in records]
 
 
 def main(argv=None) -> int:

@@ -8,15 +8,12 @@ import torch
 
 from titan_megamoe.kernels.quantize import quantize_rows
 from titan_megamoe.kernels.sync import EPOCH
+from titan_megamoe.reference import dequantize_blocks
 
 
-def _dequantized(q: torch.Tensor, scales: torch.Tensor | None, block: tuple[int, ...]) -> torch.Tensor:
-    if scales is None:
-        return q.float()
-    *lead, rows, cols = q.shape
-    br, bc = block
-    values = q.float().view(*lead, rows // br, br, cols // bc, bc)
-    return (values * scales.view(*lead, rows // br, 1, cols // bc, 1)).view(q.shape)
+def _fp32(t: torch.Tensor, scales: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:
+    """An operand in fp32: as it is, or e4m3 times its scales."""
+    return t.float() if scales is None else dequantize_blocks(t, scales, block)
 
 
 def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_before_experts, row_align,
@@ -30,8 +27,10 @@ def swiglu_grad_gemm(dy, w2t, layout, chunks, outs, tiles, *, saved_m, score_bef
     span = torch.where(base + count <= saved_rows, (count + bm - 1) // bm * bm,
                        (saved_rows - base).clamp_min(0) // saved_m * saved_m)
     virtual_end = int(torch.where(span > 0, block_base + span, 0).max())
-    dy_f = _dequantized(dy, dy_scale, (1, 128))
-    w = _dequantized(w2t, w2t_scale, (128, 128)) if b_k_major else w2t.float().transpose(1, 2)
+    dy_f = _fp32(dy, dy_scale, (1, 128))
+    w = _fp32(w2t, w2t_scale, (128, 128))
+    if not b_k_major:
+        w = w.transpose(1, 2)
     inter = w.shape[1]
     experts = w.shape[0]
     for e in range(experts):
@@ -81,8 +80,8 @@ def gate_up_gemm(x, w1, w3, layout, chunks, outs, tiles, *, act_dtype, x_scale=N
     ``act_dtype``; quantized per 128 columns with scales), the saved rows' pre-activations,
     every chunk the rows come from at the call's epoch."""
     base, count = layout.local_base.long().cpu(), layout.local_rows.long().cpu()
-    x_f = _dequantized(x, x_scale, (1, 128))
-    w1_f, w3_f = _dequantized(w1, w1_scale, (128, 128)), _dequantized(w3, w3_scale, (128, 128))
+    x_f = _fp32(x, x_scale, (1, 128))
+    w1_f, w3_f = _fp32(w1, w1_scale, (128, 128)), _fp32(w3, w3_scale, (128, 128))
     experts, inter, _ = w1.shape
     saved_rows = 0 if outs.preact is None else outs.preact.shape[0]
     for e in range(experts):

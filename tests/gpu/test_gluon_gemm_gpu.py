@@ -225,6 +225,7 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
     from titan_megamoe.precision import get_precision
+    from titan_megamoe.reference import dequantize_blocks
 
     hidden, inter, saved_m, align = 512, 384, 64, 32
     counts = torch.tensor(COUNTS, device="cuda")
@@ -241,9 +242,8 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     if fp8:
         dy_q, dy_scale = quantize_rows(dy, 128, fmt.power_of_two)
         ((w2t_q, w2t_scale),) = quantize_weights([w2t], fmt)
-        dy_ref = (dy_q.float().view(rows, -1, 128) * dy_scale[:, :, None]).view(rows, hidden)
-        w2t_ref = (w2t_q.float().view(experts, inter // 128, 128, hidden // 128, 128)
-                   * w2t_scale[:, :, None, :, None]).view(experts, inter, hidden)
+        dy_ref = dequantize_blocks(dy_q, dy_scale, (1, 128))
+        w2t_ref = dequantize_blocks(w2t_q, w2t_scale, (128, 128))
     else:
         dy_q, dy_scale, w2t_q, w2t_scale = dy, None, w2t, None
         dy_ref, w2t_ref = dy.float(), w2t.float()
@@ -309,8 +309,7 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
     assert not outs.dab[~stored_by_core].isfinite().any(), "a row the core does not own was written"
     assert not outs.h_wgrad[~stored_by_core].isfinite().any(), "a row the core does not own was written"
     if fp8:
-        q = outs.dab_q[stored_by_core].float().view(-1, 2 * inter // 128, 128)
-        dequantized = (q * outs.dab_scales[stored_by_core][:, :, None]).view(-1, 2 * inter)
+        dequantized = dequantize_blocks(outs.dab_q[stored_by_core], outs.dab_scales[stored_by_core], (1, 128))
         check("[da | db] e4m3", dequantized, outs.dab[stored_by_core].float(), live[stored_by_core])
     again = run()
     assert torch.equal(again.dab.nan_to_num(), outs.dab.nan_to_num()), "two runs differ"
@@ -332,6 +331,7 @@ def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
     from titan_megamoe.precision import get_precision
+    from titan_megamoe.reference import dequantize_blocks
 
     hidden, inter, align = 512, 384, 32
     counts = torch.tensor(COUNTS, device="cuda")
@@ -347,13 +347,8 @@ def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
     if fp8:
         x_q, x_scale = quantize_rows(x, 128, fmt.power_of_two)
         (w1_q, w1_scale), (w3_q, w3_scale) = quantize_weights([w1, w3], fmt)
-        x_ref = (x_q.float().view(rows, -1, 128) * x_scale[:, :, None]).view(rows, hidden)
-
-        def weight_ref(q, s):
-            return (q.float().view(experts, inter // 128, 128, hidden // 128, 128)
-                    * s[:, :, None, :, None]).view(experts, inter, hidden)
-
-        w1_ref, w3_ref = weight_ref(w1_q, w1_scale), weight_ref(w3_q, w3_scale)
+        x_ref = dequantize_blocks(x_q, x_scale, (1, 128))
+        w1_ref, w3_ref = dequantize_blocks(w1_q, w1_scale, (128, 128)), dequantize_blocks(w3_q, w3_scale, (128, 128))
     else:
         x_q, x_scale, w1_q, w1_scale, w3_q, w3_scale = x, None, w1, None, w3, None
         x_ref, w1_ref, w3_ref = x.float(), w1.float(), w3.float()
@@ -382,9 +377,7 @@ def test_gate_up_gemm_matches_fp32(precision, saved_part, programs):
         mine = expert == e
         g[mine], u[mine] = x_ref[mine] @ w1_ref[e].T, x_ref[mine] @ w3_ref[e].T
     h_ref = g * torch.sigmoid(g) * u
-    h = outs.h.float()
-    if fp8:
-        h = (h.view(rows, -1, 128) * outs.h_scales[:, :, None]).view(rows, inter)
+    h = dequantize_blocks(outs.h, outs.h_scales, (1, 128)) if fp8 else outs.h.float()
     assert h[live].isfinite().all(), "a received row's h is not finite"
     error = ((h[live] - h_ref[live]).norm(dim=1) / h_ref[live].norm(dim=1).clamp_min(1e-3)).max().item()
     assert error <= ROW_TOLERANCE, error
