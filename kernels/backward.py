@@ -84,7 +84,7 @@ from titan_megamoe.kernels.forward import (
 from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
 from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SWIGLU_GRAD_BLOCK_N, SwigluGradTensors, swiglu_grad_gemm
 from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import fork_stream, join_stream, launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
@@ -532,40 +532,48 @@ def fused_backward(
     if x_fmt.quantized and not score_before_experts and not quantize_on_read:
         sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
     score_parts = torch.empty(hold, parts, dtype=torch.float32, device=x.device)
-    first_kernel = functools.partial(
-        launch, dispatch_grad_gemm1_kernel, (num_programs,),
-        sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
-        buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
-        buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
-        grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
-        buffers.block_base, buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales,
-        w2_operand, w2_operand_scales, w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q,
-        dab_scales, score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank, saved_rows,
-        HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
-        SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
-        MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-        ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k,
-        COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
-        UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,
-        W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
-        QUANTIZE_ON_READ=quantize_on_read,
-        POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
-        ZERO_PADDING=not grad.wgrad_format.quantized and not grad.dy_link.quantized,
-        X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k, W2_AS_STORED=bool(tiles.w2_as_stored),
-        num_warps=tiles.grad1_warps,
-    )
-    if preact is not None and runs_gluon_grad1(tiles, fmt, shape.dtype, shape.hidden, shape.inter, quantize_on_read):
-        # Every program dispatches; the core's load warp waits for the rows it copies.
-        first_kernel(TILES=DISPATCH_ONLY.value, NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=num_programs,
-                     EPILOGUE_PARTS=1, num_stages=1)
-        swiglu_grad_gemm(
-            grad.recv_grad, w2_operand, expert_layout(buffers), chunk_flags(buffers),
-            SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
-            GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
-            score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,
-            dy_scale=grad.recv_grad_scales, w2t_scale=w2_operand_scales, b_k_major=not tiles.w2_as_stored,
-            power_of_two=fmt.power_of_two, programs=num_programs,
+
+    def first_kernel(programs: int = num_programs, **variant) -> None:
+        launch(
+            dispatch_grad_gemm1_kernel, (programs,),
+            sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
+            buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
+            buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
+            grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
+            buffers.block_base, buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales,
+            w2_operand, w2_operand_scales, w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q,
+            dab_scales, score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank, saved_rows,
+            HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
+            SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
+            MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
+            ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k,
+            COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
+            UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,
+            W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
+            QUANTIZE_ON_READ=quantize_on_read,
+            POWER_OF_TWO=w_fmt.power_of_two, ACT_DTYPE=TRITON_DTYPES[x.dtype],
+            ZERO_PADDING=not grad.wgrad_format.quantized and not grad.dy_link.quantized,
+            X_ROUND_K=x_fmt.round_k, GRAD_ROUND_K=fmt.round_k, W2_AS_STORED=bool(tiles.w2_as_stored),
+            num_warps=tiles.grad1_warps,
+            **variant,
         )
+
+    if preact is not None and runs_gluon_grad1(tiles, fmt, shape.dtype, shape.hidden, shape.inter, quantize_on_read):
+        # The communication programs dispatch alone; the core runs the others on a stream
+        # beside them, its load warp waiting for the rows it copies.
+        side = fork_stream(x.device)
+        first_kernel(comm_programs, TILES=DISPATCH_ONLY.value, NEXT_TILE=GEMM1_NEXT_TILE.value,
+                     COMM_PROGRAMS=comm_programs, EPILOGUE_PARTS=1, num_stages=1)
+        with torch.cuda.stream(side):
+            swiglu_grad_gemm(
+                grad.recv_grad, w2_operand, expert_layout(buffers), chunk_flags(buffers),
+                SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
+                GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
+                score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,
+                dy_scale=grad.recv_grad_scales, w2t_scale=w2_operand_scales, b_k_major=not tiles.w2_as_stored,
+                power_of_two=fmt.power_of_two, programs=num_programs - comm_programs,
+            )
+        join_stream(side)
     else:
         first_kernel(TILES=(ALL_TILES if preact is None else SAVED_TILES).value,
                      NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,

@@ -123,98 +123,97 @@ def dispatch_grad_gemm1_kernel(
     if TILES == DISPATCH_ONLY:
         if ZERO_PADDING:
             _zero_padding(recv, recv_grad, local_base, local_rows, local_experts, HIDDEN, ROW_ALIGN, BLOCK_K)
-        return
-
-    n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    # The tiles' virtual rows (``layout``): the saved ones are a prefix.
-    first_row = 0
-    last_row = tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M
-    if TILES != ALL_TILES:
-        saved_end = saved_tile_rows(block_base, local_base, local_rows, local_experts, saved_rows,
-                                    TILE_M, BLOCK_M, LOCAL_PAD)
-        if TILES == SAVED_TILES:
-            last_row = saved_end
-        else:
-            first_row = saved_end
-    num_tiles = (last_row - first_row) // TILE_M * n_tiles
-    tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
-    while tile < num_tiles:
-        n_tile = tile % n_tiles
-        le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
-                                        first_row + (tile // n_tiles) * TILE_M, LOCAL_PAD)
-        wait_rows(
-            flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
-        )
-
-        # The next tile, claimed now: the mainloop hides the atomic's round trip.
-        next_tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
-        rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
-        n0 = n_tile * BLOCK_N
-        live = rows < end
-        # The expert's rows and its padding: every row the tile stores.
-        owned = rows < base + (end - base + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-        if RECOMPUTE:
-            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
-                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
-            if ROUND_PREACT:
-                g = g.to(ACT_DTYPE).to(tl.float32)
-                u = u.to(ACT_DTYPE).to(tl.float32)
-        elif EPILOGUE_PARTS == 1:
-            # Loaded before the K loop, which hides their latency (two halves held
-            # through it would take the registers that the parts free).
-            g, u = _saved_preact(preact, rows, live, n0, BLOCK_N, INTER, BLOCK_N)
-        # The scores too: one value per row, its latency hidden by the K loop.
-        score = None if SCORE_BEFORE_EXPERTS else tl.load(recv_score + rows, mask=live, other=0.0)
-
-        # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
-        d = tile_gemm(
-            recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
-            N=INTER, K=HIDDEN, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False,
-            SCALE_K=GRAD_SCALE_K, B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=GRAD_READ_K,
-            UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W2_AS_STORED, B_K_SPLIT=0,
-        )
-        if EPILOGUE_PARTS == 1:
-            score_part = _swiglu_backward(
-                d, g, u, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
-                SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
-            )
-        else:
-            tl.static_assert(EPILOGUE_PARTS == 2, "the epilogue runs in one part or two")
-            HALF_N: tl.constexpr = BLOCK_N // 2
-            d0, d1 = _halves(d)
-            if RECOMPUTE:
-                g0, g1 = _halves(g)
-                u0, u1 = _halves(u)
+    else:
+        n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
+        # The tiles' virtual rows (``layout``): the saved ones are a prefix.
+        first_row = 0
+        last_row = tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M
+        if TILES != ALL_TILES:
+            saved_end = saved_tile_rows(block_base, local_base, local_rows, local_experts, saved_rows,
+                                        TILE_M, BLOCK_M, LOCAL_PAD)
+            if TILES == SAVED_TILES:
+                last_row = saved_end
             else:
-                g0, u0 = _saved_preact(preact, rows, live, n0, HALF_N, INTER, BLOCK_N)
-            score_part = _swiglu_backward(
-                d0, g0, u0, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
-                SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                first_row = saved_end
+        num_tiles = (last_row - first_row) // TILE_M * n_tiles
+        tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+        while tile < num_tiles:
+            n_tile = tile % n_tiles
+            le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                            first_row + (tile // n_tiles) * TILE_M, LOCAL_PAD)
+            wait_rows(
+                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
+                local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
             )
-            if not RECOMPUTE:
-                g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
-            score_part += _swiglu_backward(
-                d1, g1, u1, n0 + HALF_N, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER,
-                BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
-            )
-        tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
 
-        if ZERO_PADDING:
-            if (n_tile == 0) & (end < row0 + TILE_M):
-                # Zero the received rows past the expert's end: the weight-gradient GEMMs
-                # read whole alignments. Other tiles of this expert may still read them;
-                # their results for those rows are masked to zero above, so either value
-                # is harmless.
-                pad = (rows >= end) & owned
-                ks = tl.arange(0, BLOCK_K)
-                zero = tl.zeros((TILE_M, BLOCK_K), dtype=dab.dtype.element_ty)
-                for c0 in range(0, HIDDEN, BLOCK_K):
-                    at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
-                    zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
-                    tl.store(recv + at_x, zero, mask=zmask)
-                    tl.store(recv_grad + at_x, zero, mask=zmask)
-        tile = next_tile
+            # The next tile, claimed now: the mainloop hides the atomic's round trip.
+            next_tile = tl.atomic_add(state + NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+            rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
+            n0 = n_tile * BLOCK_N
+            live = rows < end
+            # The expert's rows and its padding: every row the tile stores.
+            owned = rows < base + (end - base + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+            if RECOMPUTE:
+                g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
+                               TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
+                if ROUND_PREACT:
+                    g = g.to(ACT_DTYPE).to(tl.float32)
+                    u = u.to(ACT_DTYPE).to(tl.float32)
+            elif EPILOGUE_PARTS == 1:
+                # Loaded before the K loop, which hides their latency (two halves held
+                # through it would take the registers that the parts free).
+                g, u = _saved_preact(preact, rows, live, n0, BLOCK_N, INTER, BLOCK_N)
+            # The scores too: one value per row, its latency hidden by the K loop.
+            score = None if SCORE_BEFORE_EXPERTS else tl.load(recv_score + rows, mask=live, other=0.0)
+
+            # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
+            d = tile_gemm(
+                recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
+                N=INTER, K=HIDDEN, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False,
+                SCALE_K=GRAD_SCALE_K, B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=GRAD_READ_K,
+                UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W2_AS_STORED, B_K_SPLIT=0,
+            )
+            if EPILOGUE_PARTS == 1:
+                score_part = _swiglu_backward(
+                    d, g, u, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                    SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                )
+            else:
+                tl.static_assert(EPILOGUE_PARTS == 2, "the epilogue runs in one part or two")
+                HALF_N: tl.constexpr = BLOCK_N // 2
+                d0, d1 = _halves(d)
+                if RECOMPUTE:
+                    g0, g1 = _halves(g)
+                    u0, u1 = _halves(u)
+                else:
+                    g0, u0 = _saved_preact(preact, rows, live, n0, HALF_N, INTER, BLOCK_N)
+                score_part = _swiglu_backward(
+                    d0, g0, u0, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
+                    SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                )
+                if not RECOMPUTE:
+                    g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
+                score_part += _swiglu_backward(
+                    d1, g1, u1, n0 + HALF_N, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER,
+                    BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                )
+            tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
+
+            if ZERO_PADDING:
+                if (n_tile == 0) & (end < row0 + TILE_M):
+                    # Zero the received rows past the expert's end: the weight-gradient GEMMs
+                    # read whole alignments. Other tiles of this expert may still read them;
+                    # their results for those rows are masked to zero above, so either value
+                    # is harmless.
+                    pad = (rows >= end) & owned
+                    ks = tl.arange(0, BLOCK_K)
+                    zero = tl.zeros((TILE_M, BLOCK_K), dtype=dab.dtype.element_ty)
+                    for c0 in range(0, HIDDEN, BLOCK_K):
+                        at_x = rows[:, None] * HIDDEN + c0 + ks[None, :]
+                        zmask = pad[:, None] & ((c0 + ks[None, :] < HIDDEN) | (HIDDEN % BLOCK_K == 0))
+                        tl.store(recv + at_x, zero, mask=zmask)
+                        tl.store(recv_grad + at_x, zero, mask=zmask)
+            tile = next_tile
 
 
 @triton.jit

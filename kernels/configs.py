@@ -156,19 +156,20 @@ class TileConfig:
     (a half must hold whole scale blocks)."""
     gemm1_kernel: str = "tl"
     """What runs GEMM1: ``"tl"`` (``dispatch_gemm1_kernel``, which also dispatches the rows)
-    or ``"gluon"``, Hopper's core (``kernels.gluon.sm90.gate_up_gemm``: 64 x ``gemm1_n``
-    (128) tiles, the two consumer warpgroups on the gate and the up projection,
-    ``gemm1_k`` deep, ``gemm1_stages`` stages), after ``dispatch_gemm1_kernel`` has
-    dispatched them. The core takes bf16 or blockwise e4m3 operands; other operands run
-    ``"tl"``, and the log says so."""
+    or ``"gluon"``, Hopper's core (``kernels.gluon.sm90.gate_up_gemm``: ``gemm1_n`` (128)
+    columns, ``gemm1_k`` deep, ``gemm1_stages`` stages; bf16 tiles of 128 rows, blockwise
+    e4m3 ones of 64 with the two consumer warpgroups on the gate and the up projection),
+    on the SMs that ``dispatch_gemm1_kernel``'s communication programs leave, on a stream
+    beside them, waiting for the rows they dispatch. The core takes bf16 or blockwise e4m3
+    operands in blocks of whole tiles; others run ``"tl"``, and the log says so."""
     grad1_kernel: str = "tl"
     """What runs the backward's first kernel's tiles where GEMM1 was saved: ``"tl"``
     (``dispatch_grad_gemm1_kernel``, which also dispatches the rows) or ``"gluon"``,
     Hopper's core (``kernels.gluon.sm90.swiglu_grad_gemm``: 128 x ``grad1_saved_n`` (128)
     tiles of two consumer warpgroups, ``grad1_k`` deep, ``grad1_saved_stages`` stages),
-    after ``dispatch_grad_gemm1_kernel`` has dispatched them. The core takes bf16 or
-    blockwise e4m3 operands; other operands, and GEMM1 recomputed, run ``"tl"``, and the
-    log says so."""
+    on the SMs that ``dispatch_grad_gemm1_kernel``'s communication programs leave, as
+    GEMM1's. The core takes bf16 or blockwise e4m3 operands; other operands, and GEMM1
+    recomputed, run ``"tl"``, and the log says so."""
     gemm1_claim_ahead: int = 0
     """1: each GEMM1 program claims its next tile from the tile counter before its
     mainloop, which then hides the atomic's round trip; 0: after the tile's stores (the
@@ -270,13 +271,17 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # slower); unflattened it is 5% faster than the flattened loop was without them (v29).
     # GEMM2 runs on the Gluon core, 128x256x64 in 4 stages: 0.71 ms against the tl
     # kernel's 1.10 at 30B-A3B 16k (v39). dgrad stays tl: the core reads no B split along
-    # K, and a transposed [W1 | W3] costs more than its GEMM would gain (v24).
+    # K, and a transposed [W1 | W3] costs more than its GEMM would gain (v24). Where GEMM1
+    # was saved the backward's first kernel runs on the core, beside its dispatch: 8.56 ms
+    # per call against 8.80 at 30B-A3B 16k (one H100, v45). GEMM1 stays tl: on the core
+    # (128-row tiles, each warpgroup both weights) it ran no faster (8.63 against 8.80 at
+    # 30B-A3B, 29.67 against 29.53 ms at 235B-A22B with both on the core).
     ("sm90", "native"): TileConfig(
         block_m=128, w2_as_stored=1, w13_as_stored_rows=EVERY_CALL, grad1_saved_parts=2,
         gemm1_m=128, gemm1_n=128, gemm1_k=64, gemm1_warps=8, gemm1_stages=4,
         gemm2_kernel="gluon", gemm2_n=256, gemm2_k=64, gemm2_warps=8, gemm2_stages=4,
-        grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8, grad1_stages=4,
-        grad1_saved_stages=4,
+        grad1_kernel="gluon", grad1_m=128, grad1_n=64, grad1_saved_n=128, grad1_k=64, grad1_warps=8,
+        grad1_stages=4, grad1_saved_stages=4,
         dgrad_n=256, dgrad_k=64, dgrad_warps=8, dgrad_stages=3,
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
     ),
@@ -305,13 +310,16 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # 2-5% slower with it, at the same registers, v30). GEMM2 and dgrad run on the Gluon
     # core, 128x128x128 in 5 stages, the promotion under the next block's MMA: together
     # 1.38 ms against the tl kernel's 2.50 at 30B-A3B 16k, 4.74 against 7.13 at 235B-A22B
-    # (v39).
+    # (v39). Where GEMM1 was saved the backward's first kernel runs on the core beside its
+    # dispatch: 9.59 ms per call against 9.76 at 30B-A3B 16k (one H100, v45). GEMM1 stays
+    # tl: the core's 64-row tiles split between the gate and the up projection ran at
+    # 438-455 TFLOP/s against the tl kernel's 626-754 (v45).
     ("sm90", "fp8_block"): TileConfig(
         block_m=128, gemm1_claim_ahead=1,
         gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,
         gemm2_kernel="gluon", gemm2_n=128, gemm2_k=128, gemm2_warps=8, gemm2_stages=5,
-        grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8, grad1_stages=2,
-        grad1_saved_stages=4,
+        grad1_kernel="gluon", grad1_m=64, grad1_n=128, grad1_saved_n=128, grad1_k=128, grad1_warps=8,
+        grad1_stages=2, grad1_saved_stages=4,
         dgrad_kernel="gluon", dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=5,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_kernel="gluon", wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_stages=5, token_major_warps=2,

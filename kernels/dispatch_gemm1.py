@@ -212,54 +212,52 @@ def dispatch_gemm1_kernel(
                 HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
                 EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO, ROUND_K,
             )
-    if DISPATCH_ONLY:
-        return
+    if not DISPATCH_ONLY:
+        n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
+        num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
+        tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+        while tile < num_tiles:
+            n0 = (tile % n_tiles) * BLOCK_N
+            le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
+                                            (tile // n_tiles) * TILE_M, LOCAL_PAD)
+            wait_rows(
+                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
+                local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
+            )
 
-    n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
-    num_tiles = tl.load(state + NUM_BLOCKS).to(tl.int32) * (BLOCK_M // TILE_M) * n_tiles
-    tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
-    while tile < num_tiles:
-        n0 = (tile % n_tiles) * BLOCK_N
-        le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
-                                        (tile // n_tiles) * TILE_M, LOCAL_PAD)
-        wait_rows(
-            flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-            local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
-        )
-
-        if CLAIM_AHEAD:  # the mainloop hides the atomic's round trip
-            next_tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
-        rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-        g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
-                       TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
-        out = g * tl.sigmoid(g) * u
-        live = rows < end
-        mask = live[:, None] & col_ok[None, :]
-        if SCALE_K == 0:
-            if ROUND_K > 0:
-                tl.static_assert(BLOCK_N % ROUND_K == 0, "a GEMM1 tile must hold whole MX blocks of h")
-                out = round_rows(out.to(ACT_DTYPE).to(tl.float32), ROUND_K)
-            tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
-        else:
-            tl.static_assert(BLOCK_N % SCALE_K == 0, "a GEMM1 tile must hold whole scale blocks of h")
-            H_SCALE_COLS: tl.constexpr = tl.cdiv(INTER, SCALE_K)
-            hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K, POWER_OF_TWO)
-            tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
-            kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
-            tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs,
-                     mask=live[:, None] & (kb[None, :] < H_SCALE_COLS))
-        if SAVE_GEMM1:
-            if row0 < saved_rows:
-                at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
-                saved = mask & (rows < saved_rows)[:, None]
-                tl.store(at, g.to(preact.dtype.element_ty), mask=saved)
-                tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=saved)
-        if CLAIM_AHEAD:
-            tile = next_tile
-        else:
-            tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+            if CLAIM_AHEAD:  # the mainloop hides the atomic's round trip
+                next_tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
+            rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
+            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
+                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
+            out = g * tl.sigmoid(g) * u
+            live = rows < end
+            mask = live[:, None] & col_ok[None, :]
+            if SCALE_K == 0:
+                if ROUND_K > 0:
+                    tl.static_assert(BLOCK_N % ROUND_K == 0, "a GEMM1 tile must hold whole MX blocks of h")
+                    out = round_rows(out.to(ACT_DTYPE).to(tl.float32), ROUND_K)
+                tl.store(h + rows[:, None] * INTER + cols[None, :], out.to(h.dtype.element_ty), mask=mask)
+            else:
+                tl.static_assert(BLOCK_N % SCALE_K == 0, "a GEMM1 tile must hold whole scale blocks of h")
+                H_SCALE_COLS: tl.constexpr = tl.cdiv(INTER, SCALE_K)
+                hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K, POWER_OF_TWO)
+                tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
+                kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
+                tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs,
+                         mask=live[:, None] & (kb[None, :] < H_SCALE_COLS))
+            if SAVE_GEMM1:
+                if row0 < saved_rows:
+                    at = preact + rows[:, None] * (2 * INTER) + cols[None, :]
+                    saved = mask & (rows < saved_rows)[:, None]
+                    tl.store(at, g.to(preact.dtype.element_ty), mask=saved)
+                    tl.store(at + INTER, u.to(preact.dtype.element_ty), mask=saved)
+            if CLAIM_AHEAD:
+                tile = next_tile
+            else:
+                tile = tl.atomic_add(state + GEMM1_NEXT_TILE, 1, sem="relaxed").to(tl.int32)
 
 
 @triton.jit

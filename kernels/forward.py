@@ -43,9 +43,14 @@ from titan_megamoe.kernels.gluon.sm90.grouped_gemm import (
     grouped_gemm,
 )
 from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
-from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GATE_UP_BLOCK_N, GateUpTensors, gate_up_gemm
+from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import (
+    GATE_UP_BLOCK_N,
+    GateUpTensors,
+    gate_up_gemm,
+    gate_up_tile_rows,
+)
 from titan_megamoe.kernels.gluon.sm90.mma import MMA_ROWS
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import fork_stream, join_stream, launch
 from titan_megamoe.kernels.layout import layout_kernel
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
@@ -611,9 +616,11 @@ def fused_forward(
 
     def run(first: bool) -> torch.Tensor:
         tokens_per_expert = layout(topk_idx, routing, buffers, timeout_s, skip_overflow=first)
-        # With GEMM1 on the Gluon core every program dispatches, and the core's load warp
-        # waits for the rows it copies.
-        launch(dispatch_gemm1_kernel, (num_programs,),
+        # With GEMM1 on the Gluon core the dispatch kernel runs the communication programs
+        # alone, and the core runs the others on a stream beside it: its load warp waits
+        # for the rows it copies, as the tl kernel's GEMM programs do.
+        side = fork_stream(x.device) if gluon_gemm1 else None
+        launch(dispatch_gemm1_kernel, (comm_programs if gluon_gemm1 else num_programs,),
             sent, sent_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
             buffers.recv_ptrs, buffers.recv_meta_ptrs, buffers.flag_ptrs, buffers.recv, buffers.recv_scales,
             buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base, buffers.block_base,
@@ -622,7 +629,7 @@ def fused_forward(
             shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank,
             HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
             SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=preact is not None,
-            COMM_PROGRAMS=num_programs if gluon_gemm1 else comm_programs, CHUNK_READY=flags.chunk_ready,
+            COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready,
             MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m,
             BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k, COPY_ROWS=tiles.copy_rows,
             COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
@@ -631,13 +638,15 @@ def fused_forward(
             DISPATCH_ONLY=gluon_gemm1, num_warps=tiles.gemm1_warps, num_stages=tiles.gemm1_stages,
         )
         if gluon_gemm1:
-            gate_up_gemm(
-                buffers.recv, w1, w3, expert_layout(buffers), chunk_flags(buffers),
-                GateUpTensors(buffers.h, buffers.h_scales, preact), GemmTiles(tiles.gemm1_n, tiles.gemm1_k,
-                                                                              tiles.gemm1_stages),
-                act_dtype=x.dtype, x_scale=buffers.recv_scales, w1_scale=w1_scales, w3_scale=w3_scales,
-                power_of_two=fmt.power_of_two, programs=num_programs,
-            )
+            with torch.cuda.stream(side):
+                gate_up_gemm(
+                    buffers.recv, w1, w3, expert_layout(buffers), chunk_flags(buffers),
+                    GateUpTensors(buffers.h, buffers.h_scales, preact),
+                    GemmTiles(tiles.gemm1_n, tiles.gemm1_k, tiles.gemm1_stages), act_dtype=x.dtype,
+                    x_scale=buffers.recv_scales, w1_scale=w1_scales, w3_scale=w3_scales,
+                    power_of_two=fmt.power_of_two, programs=num_programs - comm_programs,
+                )
+            join_stream(side)
         rows_gemm_combine(buffers, tiles, tiles.gemm2, buffers.h, buffers.h_scales, w2, w2_scales, None, fmt,
                           fmt.row_scale_k, num_programs)
         reduce(buffers, topk_w, x, y, topk_w, num_tokens, top_k, num_programs,
@@ -686,11 +695,14 @@ def runs_gluon_gemm1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden:
     it cannot, the log says so, once."""
     if tiles.gemm1_kernel != "gluon":
         return False
-    if gluon_takes_rows(fmt, dtype) and inter % GATE_UP_BLOCK_N == hidden % tiles.gemm1_k == 0:
+    tile_rows = gate_up_tile_rows(fmt.quantized)
+    if (gluon_takes_rows(fmt, dtype) and inter % GATE_UP_BLOCK_N == hidden % tiles.gemm1_k == 0
+            and tiles.block_m % tile_rows == 0):
         return True
-    say_once(f"mega_moe fused: the tile row names the Gluon core for GEMM1, which takes bf16 or blockwise fp8 rows and "
-             f"an intermediate size that is a multiple of {GATE_UP_BLOCK_N}; {fmt.name} on {dtype} rows with "
-             f"intermediate size {inter} runs the tl kernel instead")
+    say_once(f"mega_moe fused: the tile row names the Gluon core for GEMM1, which takes bf16 or blockwise fp8 rows, "
+             f"an intermediate size that is a multiple of {GATE_UP_BLOCK_N} and blocks of whole tiles; {fmt.name} on "
+             f"{dtype} rows with intermediate size {inter} and block_m {tiles.block_m} (tiles of {tile_rows} rows) "
+             f"runs the tl kernel instead")
     return False
 
 

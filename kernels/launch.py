@@ -32,6 +32,9 @@ _COMPILED: dict = {}
 
 _INT32 = range(-(2**31), 2**31)
 
+_SIDE_STREAMS: dict = {}
+"""Per CUDA device: the stream ``fork_stream`` returns, made once."""
+
 
 def _runtime_key(value):
     """What Triton specializes a non-constexpr argument on (or more)."""
@@ -81,3 +84,22 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
         _COMPILED[key] = kernel[grid](*args, **kwargs)
         return
     compiled[(*grid, 1, 1)[:3]](*values)
+
+
+def fork_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """A second stream of ``device`` (one per device, kept) that starts where the current
+    stream is now: kernels queued on it run beside those the current stream queues next
+    (``join_stream`` ends that). None off GPUs, where launches run in the order made."""
+    if device.type != "cuda":
+        return None
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def join_stream(side: "torch.cuda.Stream | None") -> None:
+    """The current stream waits for everything queued on ``side`` (``fork_stream``)."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)

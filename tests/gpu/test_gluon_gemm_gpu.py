@@ -203,6 +203,7 @@ def _arrived(counts: torch.Tensor, epoch: int = 3):
     state[EPOCH.value] = epoch
     max_chunks, chunk_ready = int(-(-counts.max() // 128)), 8
     flags = torch.full((chunk_ready + counts.numel() * max_chunks,), epoch, dtype=torch.int64, device="cuda")
+    flags[:chunk_ready] = 0  # the words before CHUNK_READY: ABORT[rank] among them, none raised
     return ChunkFlags(flags, torch.zeros(1, dtype=torch.int64, device="cuda"), state,
                       torch.zeros(counts.numel(), dtype=torch.int32, device="cuda"), counts.to(torch.int32), rank=0,
                       ep=1, chunk_ready=chunk_ready, max_chunks=max_chunks)

@@ -8,10 +8,11 @@ warpgroup's rows starts in ``out`` (int64 element offsets, in the layout ``store
 gives: ``row_starts``); rows not ``live`` belong to another expert or to no one and are not
 stored; ``n0`` the tile's first column.
 
-GEMM1's (``gate_up_rows``) and the backward's first GEMM's (``swiglu_backward_rows``) read
-more than their accumulators and write several outputs: each takes a record of them
-(``GateUpOutputs``, ``SwigluGradOutputs``) and forms its rows in column parts, through
-shared memory, with one part's temporaries live.
+GEMM1's (``gate_up_rows``, ``gate_up_pair_rows``) and the backward's first GEMM's
+(``swiglu_backward_rows``) read more than their accumulators and write several outputs:
+each takes a record of them (``GateUpOutputs``, ``SwigluGradOutputs``). Those whose
+accumulators come from two warpgroups, or whose temporaries would not fit beside them,
+form their rows in column parts through shared memory, with one part's temporaries live.
 """
 
 from triton.experimental import gluon
@@ -295,3 +296,24 @@ def gate_up_rows(staging, outs, h_scales, preact, rows0, row_end, n0):
             h, at = _gate_up_part(staging, j, rows, live, n0, outs, preact, STORE=False)
             gl.store(outs.h + at, (h * multiplier[:, None]).to(gl.float8e4nv), mask=live[:, None])
         gl.store(h_scales + rows.to(gl.int64) * (outs.inter // BLOCK_N) + n0 // BLOCK_N, scale, mask=live)
+
+
+@gluon.jit
+def gate_up_pair_rows(g, u, outs, preact, rows0, row_end, n0):
+    """GEMM1's epilogue where one warpgroup holds both accumulators of its 64 rows (bf16:
+    ``g`` the gate's, ``u`` the up projection's, in the MMA layout): the saved rows'
+    pre-activations, and ``h = silu(g) * u`` rounded to the activation dtype, straight
+    from registers. Rows from ``row_end`` on are not stored."""
+    BLOCK_N: gl.constexpr = g.shape[1]
+    layout: gl.constexpr = store_layout(BLOCK_N, 4)
+    rows = rows0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    live = rows < row_end
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if outs.save:
+        saved = (live & (rows < outs.saved_rows))[:, None]
+        at = rows.to(gl.int64)[:, None] * (2 * outs.inter) + cols[None, :]
+        gl.store(preact + at, gl.convert_layout(g.to(preact.dtype.element_ty), layout), mask=saved)
+        gl.store(preact + at + outs.inter, gl.convert_layout(u.to(preact.dtype.element_ty), layout), mask=saved)
+    h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(outs.act_dtype).to(outs.h.dtype.element_ty)
+    gl.store(outs.h + rows.to(gl.int64)[:, None] * outs.inter + cols[None, :], gl.convert_layout(h, layout),
+             mask=live[:, None])

@@ -19,6 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from titan_megamoe.kernels.gluon.sm90.epilogue import (
+    gate_up_pair_rows,
     gate_up_rows,
     row_origins,
     row_starts,
@@ -248,6 +249,24 @@ def gate_up_mma_partition(ring, tiles, a_scale, b_scale, staging, handoff, outs,
                 thread_barrier()
                 mbarrier.arrive(handoff.index(STAGING_FREE))
             handed += 1
+
+
+@gluon.jit
+def gate_up_pair_mma_partition(ring, tiles, outs, preact, tile_count, spec, WARPGROUP: gl.constexpr):
+    """Consumer warpgroup ``WARPGROUP`` of GEMM1 in bf16: per 128-row tile, its own 64 rows
+    times both weights (``mainloop`` with two B's: two 64 x 128 accumulators, which bf16's
+    unscaled MMAs leave room for), then ``epilogue.gate_up_pair_rows`` from its registers.
+    Each warpgroup forms its own rows, so neither waits for the other's epilogue."""
+    gl.static_assert(spec.two_b and not spec.split_b and spec.scale_k == 0,
+                     "unscaled operands, both weights per warpgroup")
+    layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
+    step = 0
+    for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
+        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
+        if row0 < row_end:
+            acc = gl.zeros((MMA_ROWS, spec.block_n), gl.float32, layout)
+            g, u, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
+            gate_up_pair_rows(g, u, outs, preact, row0 + WARPGROUP * MMA_ROWS, row_end, n0)
 
 
 @gluon.jit

@@ -5,7 +5,8 @@ transposed ``[experts, I, H]``, or bf16 W2 as stored ``[experts, H, I]``), then 
 backward as the epilogue (``epilogue.swiglu_backward_rows``): ``[da | db]``, its e4m3
 copy, ``h_wgrad`` and the score-gradient parts, from GEMM1's saved pre-activations. It
 computes the tiles ``dispatch_grad_gemm1_kernel`` computes for the saved rows
-(``SAVED_TILES``); that kernel dispatches the rows before it (``DISPATCH_ONLY``) and
+(``SAVED_TILES``); that kernel dispatches the rows on the communication programs'
+SMs while this one runs on the others, on a stream beside it (``DISPATCH_ONLY``), and
 recomputes the rows past the saved ones after it (``PAST_SAVED_TILES``).
 
 The partitions are ``grouped_gemm``'s (same ring protocol, ``ring``) but for two things:
