@@ -443,7 +443,7 @@ def check_library_wgrad(device, seed: int) -> None:
         q = torch.where(live, torch.randn(cols, kt, generator=g), 0.0)  # the copies' padding tokens 0
         return q.to(torch.float8_e4m3fn).to(device), (torch.rand(cols, kt // block, generator=g) + 0.5).to(device)
 
-    m, n = 128, 160  # dW1 and dW3 each a whole number of tiles
+    m, n = 2 * tiles.wgrad_m, 160  # dW1 and dW3 each one whole tile tall (the kernel's split needs it)
     a, b = token_major(m), token_major(n)
     layout = SimpleNamespace(shape=SimpleNamespace(local_experts=len(per_expert)))
     for outs_of in (lambda: (torch.full((len(per_expert), m, n), float("nan")),),
