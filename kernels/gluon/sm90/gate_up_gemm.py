@@ -28,7 +28,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkArrivals, ChunkFlags
 from titan_megamoe.kernels.gluon.sm90.epilogue import GateUpOutputs
@@ -41,7 +40,7 @@ from titan_megamoe.kernels.gluon.sm90.mma import (
     gate_up_mma_partition,
     gate_up_pair_mma_partition,
 )
-from titan_megamoe.kernels.gluon.sm90.ring import StageRing
+from titan_megamoe.kernels.gluon.sm90.ring import StageRing, allocate_barriers
 from titan_megamoe.kernels.gluon.sm90.schedule import ExpertTiles
 from titan_megamoe.kernels.gluon.sm90.spec import GemmSpec
 from titan_megamoe.kernels.launch import launch
@@ -89,9 +88,7 @@ def gate_up_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, b2_scale, blo
     if SPLIT_B:
         staging = gl.allocate_shared_memory(gl.float32, [2, MMA_ROWS, BLOCK_N],
                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(handoff.index(i), count=1)
+        handoff = allocate_barriers(2)
         gl.warp_specialize([
             (gate_up_mma_partition, (ring, tiles, a_scale, b_scale, staging, handoff, outs, h_scales, preact,
                                      tile_count, spec, 0)),
