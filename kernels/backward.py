@@ -568,8 +568,7 @@ def fused_backward(
             swiglu_grad_gemm(
                 grad.recv_grad, w2_operand, expert_layout(buffers), chunk_flags(buffers),
                 SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
-                GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages,
-                          alternate=bool(tiles.grad1_alternate)), saved_m=tiles.grad1_m,
+                GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
                 score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,
                 dy_scale=grad.recv_grad_scales, w2t_scale=w2_operand_scales, b_k_major=not tiles.w2_as_stored,
                 power_of_two=fmt.power_of_two, programs=num_programs - comm_programs,

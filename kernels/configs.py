@@ -170,12 +170,6 @@ class TileConfig:
     on the SMs that ``dispatch_grad_gemm1_kernel``'s communication programs leave, as
     GEMM1's. The core takes bf16 or blockwise e4m3 operands; other operands, and GEMM1
     recomputed, run ``"tl"``, and the log says so."""
-    grad1_alternate: int = 0
-    """With ``grad1_kernel = "gluon"``, 1: the core's two consumer warpgroups take the
-    program's tiles in turn, each a whole tile of 64 rows (``kernels.gluon.sm90.mma.
-    swiglu_grad_alternate_partition``), so that one warpgroup's SwiGLU-backward epilogue
-    runs under the other's MMAs; 0: both warpgroups share each 128-row tile and run
-    their epilogues together."""
     gemm1_claim_ahead: int = 0
     """1: each GEMM1 program claims its next tile from the tile counter before its
     mainloop, which then hides the atomic's round trip; 0: after the tile's stores (the
@@ -203,7 +197,7 @@ class TileConfig:
         if self.grad1_saved_parts not in (1, 2):
             raise ValueError(f"grad1_saved_parts = {self.grad1_saved_parts} must be 1 or 2")
         for name in ("mx_dequantized_weights", "mx_upcast", "mx_in_bf16",
-                     "mx_wgrad_dequantized", "w2_as_stored", "gemm1_claim_ahead", "grad1_alternate"):
+                     "mx_wgrad_dequantized", "w2_as_stored", "gemm1_claim_ahead"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name} = {getattr(self, name)} must be 0 or 1")
         if self.w13_as_stored_rows < 0:
@@ -234,9 +228,6 @@ class TileConfig:
             raise ValueError(f"grad1_kernel = 'gluon' takes tiles 128 columns wide, and leaves the rows past the saved "
                              f"ones to tl tiles of whole warpgroups: grad1_saved_n = {self.grad1_saved_n} must be "
                              f"128 and grad1_m = {self.grad1_m} a multiple of 64")
-        if self.grad1_alternate and self.grad1_kernel != "gluon":
-            raise ValueError(f"grad1_alternate = 1 schedules the Gluon core's tiles: it needs grad1_kernel = 'gluon', "
-                             f"not {self.grad1_kernel!r}")
         if self.dgrad_kernel == "gluon" and self.w13_as_stored_rows:
             raise ValueError("dgrad_kernel = 'gluon' reads [W1 | W3] transposed: w13_as_stored_rows must be 0")
         if self.mx_in_bf16 and (self.mx_upcast or self.mx_dequantized_weights):

@@ -232,8 +232,7 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
 def _compile_swiglu_gemms(shape: str, local: int, layout, dtype: torch.dtype, records: list[dict]) -> list[dict]:
     """GEMM1 (``gate_up_gemm``, saving the pre-activations of half the rows) and the
     backward's first GEMM (``swiglu_grad_gemm``, every row saved; fp8 on W2 transposed,
-    bf16 on W2 as stored; in both schedules, shared and alternate tiles) on the core, with
-    the tiles the table gives them."""
+    bf16 on W2 as stored) on the core, with the tiles the table gives them."""
     from titan_megamoe.kernels.configs import tile_config
     from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkFlags
     from titan_megamoe.kernels.gluon.sm90.gate_up_gemm import GateUpTensors, gate_up_gemm
@@ -261,19 +260,17 @@ def _compile_swiglu_gemms(shape: str, local: int, layout, dtype: torch.dtype, re
                  x_scale=row_scales, w1_scale=weight_scales, w3_scale=weight_scales, programs=PROGRAMS)
     compiled += [{**r, "kernel": "gluon gemm1"} for r in records]
 
+    records.clear()
     w2t = torch.zeros((local, inter, hidden) if fp8 else (local, hidden, inter), dtype=dtype)
     swiglu_grad = SwigluGradTensors(
         torch.zeros(rows, 2 * inter, dtype=torch.bfloat16), torch.zeros(rows), torch.empty(rows, 2 * inter,
         dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16), torch.empty(rows, inter // 128),
         torch.empty(rows, 2 * inter, dtype=dtype) if fp8 else None, torch.empty(rows, 2 * inter // 128) if fp8 else None)
-    for alternate, name in ((False, "gluon swiglu_grad"), (True, "gluon swiglu_grad alternate")):
-        records.clear()
-        swiglu_grad_gemm(torch.zeros(rows, hidden, dtype=dtype), w2t, layout, chunks, swiglu_grad,
-                         GemmTiles(row.grad1_saved_n, row.grad1_k, row.grad1_saved_stages, alternate=alternate),
-                         saved_m=row.grad1_m, score_before_experts=False, row_align=32, dy_scale=row_scales,
-                         w2t_scale=weight_scales, b_k_major=fp8, programs=PROGRAMS)
-        compiled += [{**r, "kernel": name} for r in records]
-    return compiled
+    swiglu_grad_gemm(torch.zeros(rows, hidden, dtype=dtype), w2t, layout, chunks, swiglu_grad,
+                     GemmTiles(row.grad1_saved_n, row.grad1_k, row.grad1_saved_stages),
+                     saved_m=row.grad1_m, score_before_experts=False, row_align=32, dy_scale=row_scales,
+                     w2t_scale=weight_scales, b_k_major=fp8, programs=PROGRAMS)
+    return compiled + [{**r, "kernel": "gluon swiglu_grad"} for r in records]
 
 
 def main(argv=None) -> int:

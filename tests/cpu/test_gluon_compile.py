@@ -32,8 +32,7 @@ def gluon_resources(tmp_path_factory):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
     records = {r["kernel"]: r for r in gluon_resources[precision]}
-    expected = {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad", "gluon gemm1", "gluon swiglu_grad",
-                "gluon swiglu_grad alternate"} | (
+    expected = {"gluon gate_up", "gluon down", "gluon dy_w2", "gluon dgrad", "gluon gemm1", "gluon swiglu_grad"} | (
         {"gluon wgrad"} if precision == "fp8" else set())
     assert set(records) == expected, set(records)
     for name, r in records.items():
@@ -42,8 +41,8 @@ def test_every_gemm_compiles_warp_specialized(gluon_resources, precision):
         # consumers' 224 registers (the arrival-waiting load warp takes 56) go to local
         # memory before the promoting mainloop and come back for the epilogue, once a tile;
         # bf16's GEMM1 holds both accumulators into its epilogue, and a word or two more.
-        spilled = {("fp8", "gluon swiglu_grad"): 128, ("fp8", "gluon swiglu_grad alternate"): 128,
-                   ("fp8", "gluon gemm1"): 128, ("bf16", "gluon gemm1"): 32}.get((precision, name), 0)
+        spilled = {("fp8", "gluon swiglu_grad"): 128, ("fp8", "gluon gemm1"): 128,
+                   ("bf16", "gluon gemm1"): 32}.get((precision, name), 0)
         assert r["stack_bytes"] <= spilled and (r["local_accesses"] == 0) == (spilled == 0), (name, "spills")
         assert r["calls"] == 0, (name, "subroutine calls")
         assert r["mma"].endswith(MMA[precision]), (name, r["mma"])
@@ -225,8 +224,6 @@ def test_the_tile_table_names_what_each_rows_gemm_runs():
         (dict(grad1_kernel="cuda"), "grad1_kernel = 'cuda'; known: tl, gluon"),
         (dict(grad1_kernel="gluon", grad1_saved_n=64), "grad1_saved_n = 64 must be 128"),
         (dict(grad1_kernel="gluon", grad1_m=32), "grad1_m = 32 a multiple of 64"),
-        (dict(grad1_alternate=2), "grad1_alternate = 2 must be 0 or 1"),
-        (dict(grad1_kernel="tl", grad1_alternate=1), "grad1_alternate = 1 .* needs grad1_kernel = 'gluon', not 'tl'"),
         (dict(gemm1_kernel="cuda"), "gemm1_kernel = 'cuda'; known: tl, gluon"),
         (dict(gemm1_kernel="gluon", gemm1_n=256), "gemm1_n = 256 must be 128"),
     ]

@@ -217,13 +217,11 @@ def _arrived(counts: torch.Tensor, epoch: int = 3):
     ("bf16", True, False, 0.5, 5),      # GEMM1 saved for some rows only: the tiles past them are the tl kernel's
     ("fp8", False, False, 0.5, None),
 ])
-@pytest.mark.parametrize("alternate", [False, True])
-def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, saved_part, programs, alternate):
+def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, saved_part, programs):
     """The backward's first GEMM on the core against fp32 of the same operands: ``[da | db]``
     (and its e4m3 copy), ``h_wgrad`` and the score-gradient parts of every saved row, zeros
     in each expert's padding rows, nothing written past them or past the saved rows' tiles;
-    one source whose chunks have all arrived (``ChunkFlags``); twice bit for bit; both
-    schedules (the warpgroups sharing each tile, or on alternate tiles)."""
+    one source whose chunks have all arrived (``ChunkFlags``); twice bit for bit."""
     from titan_megamoe.kernels.gluon.sm90.grouped_gemm import ExpertLayout, GemmTiles
     from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SwigluGradTensors, swiglu_grad_gemm
     from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
@@ -266,8 +264,7 @@ def test_swiglu_grad_gemm_matches_fp32(precision, w2_as_stored, score_before, sa
             torch.full((rows, inter // 128), nan, device="cuda"),
             torch.full((rows, 2 * inter), nan, device="cuda").to(torch.float8_e4m3fn) if fp8 else None,
             torch.full((rows, 2 * inter // 128), nan, device="cuda") if fp8 else None)
-        swiglu_grad_gemm(dy_q, w2_operand, layout, chunks, outs,
-                         GemmTiles(128, 128 if fp8 else 64, 4, alternate=alternate),
+        swiglu_grad_gemm(dy_q, w2_operand, layout, chunks, outs, GemmTiles(128, 128 if fp8 else 64, 4),
                          saved_m=saved_m, score_before_experts=score_before, row_align=align, dy_scale=dy_scale,
                          w2t_scale=w2t_scale, b_k_major=not w2_as_stored, power_of_two=fmt.power_of_two,
                          programs=programs)

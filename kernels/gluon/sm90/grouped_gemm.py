@@ -46,19 +46,10 @@ class GemmTiles:
     promote_chunk: int = 4
     """Blockwise fp8: K blocks per unrolled chunk, inside which each block's promotion
     overlaps the next block's MMA (``mma``)."""
-    alternate: bool = False
-    """The backward's first GEMM only: the consumer warpgroups take whole 64-row tiles in
-    turn instead of sharing each ``block_m``-row one (``mma.swiglu_grad_alternate_partition``)."""
 
     @property
     def block_m(self) -> int:
-        """Rows of the receive layout's blocks the tiles cover."""
         return int(MMA_ROWS) * self.mma_warpgroups
-
-    @property
-    def tile_m(self) -> int:
-        """Rows of a tile: a block's, or one warpgroup's where the warpgroups alternate."""
-        return int(MMA_ROWS) if self.alternate else self.block_m
 
 
 DEFAULT_TILES = {

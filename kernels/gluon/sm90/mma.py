@@ -1,8 +1,7 @@
 """The MMA partitions: consumer warpgroups that multiply what the load partition stages.
 
 Each consumer warpgroup owns ``MMA_ROWS`` (64) rows of every tile: warpgroup ``w`` rows
-``64 w ..`` of the stage's A tile, all of its B tile (or, in the backward's first GEMM
-with alternate tiles, every other 64-row tile whole). Its MMAs are asynchronous
+``64 w ..`` of the stage's A tile, all of its B tile. Its MMAs are asynchronous
 (``warpgroup_mma``) and it waits with one K step left in flight, so the tensor cores
 always hold the next step's work while the warpgroup releases a stage, promotes a
 partial product or runs an epilogue; the other warpgroup's MMAs fill its epilogue.
@@ -136,8 +135,7 @@ def promoted_mainloop(ring, step, acc, a_scale, b_scale, expert, row0, row_end, 
     instruction touches an accumulator in flight (a copy of one, the zeroing of one)."""
     k_blocks: gl.constexpr = spec.k // spec.block_k
     chunk: gl.constexpr = spec.promote_chunk
-    # The warpgroup's first row of the tile (its only 64 with split_b or alternate tiles).
-    first: gl.constexpr = 0 if spec.split_b or spec.alternate else WARPGROUP * MMA_ROWS
+    first: gl.constexpr = 0 if spec.split_b else WARPGROUP * MMA_ROWS  # the warpgroup's first row of the tile
     rows = row0 + first + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc.type.layout))
     live = rows < row_end  # rows past the expert's: scale 0 (never stored)
     a_scales = a_scale + rows.to(gl.int64) * k_blocks
@@ -216,39 +214,6 @@ def swiglu_grad_mma_partition(ring, tiles, a_scale, b_scale, staging, outs, dab_
         if (t // n_tiles) * spec.block_m + WARPGROUP * MMA_ROWS < virtual_end:
             swiglu_backward_rows(acc, staging.index(WARPGROUP), outs, dab_q, dab_scales, row0 + WARPGROUP * MMA_ROWS,
                                  row_end, n0)
-
-
-@gluon.jit
-def swiglu_grad_alternate_partition(ring, tiles, a_scale, b_scale, staging, turns, outs, dab_q, dab_scales,
-                                    tile_count, spec, WARPGROUP: gl.constexpr):
-    """Consumer warpgroup ``WARPGROUP`` of the backward's first GEMM on alternate tiles
-    (``spec.alternate``, 64-row tiles): of the program's tiles below ``tile_count`` whose
-    rows lie in their expert's, the warpgroups take the ``i``-th if ``i % 2 == WARPGROUP``,
-    each ``d = dy W2`` over the whole tile, then the SwiGLU backward on it, which runs
-    while the other warpgroup's MMAs run its next tile.
-
-    The mainloops run in turn: the stage ring is in order, and a warpgroup waiting on a
-    stage several uses ahead of the one filled would pass an mbarrier phase of the same
-    parity. Warpgroup ``w`` waits on ``turns[w]`` before its mainloop until the other has
-    finished the previous tile's (that tile's arrival completes the barrier's phase
-    ``(i - 1) // 2``), and arrives on ``turns[1 - w]`` after its own; the epilogues do
-    not wait. Each warpgroup counts the other's steps to find its own in the ring."""
-    gl.static_assert(spec.alternate and not spec.two_b, "whole 64-row tiles in turn, one B: W2 per expert")
-    k_steps: gl.constexpr = spec.k // spec.block_k
-    step = 0
-    taken = 0  # tiles with rows so far, both warpgroups'
-    for t in range(gl.program_id(0), tile_count, gl.num_programs(0)):
-        expert, row0, row_end, n0 = tiles.tile(t, spec, WARPS=MMA_WARPS)
-        if row0 < row_end:
-            if taken % 2 == WARPGROUP:
-                mbarrier.wait(turns.index(WARPGROUP), ((taken - 1) // 2) & 1, pred=taken > 0)
-                acc, step = one_b_mainloop(ring, step, a_scale, b_scale, expert, row0, row_end, n0, spec,
-                                           WARPGROUP=WARPGROUP)
-                mbarrier.arrive(turns.index(1 - WARPGROUP))
-                swiglu_backward_rows(acc, staging.index(WARPGROUP), outs, dab_q, dab_scales, row0, row_end, n0)
-            else:
-                step += k_steps
-            taken += 1
 
 
 @gluon.jit

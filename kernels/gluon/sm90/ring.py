@@ -11,9 +11,7 @@ each use flips the parity of the stage's two mbarriers:
                wait until only this step's MMAs are in flight, release stage s - 1
                (the last step of a tile: wait for every MMA, release stage s)
 
-``empty[s]`` expects one arrival per consumer warpgroup that reads the stage: each of them,
-or, where the warpgroups take whole tiles in turn (``spec.alternate``), the one whose tile
-it holds. An mbarrier arrive is issued once
+``empty[s]`` expects one arrival per consumer warpgroup. An mbarrier arrive is issued once
 per partition; every warp of a consumer warpgroup has passed the MMA wait before it (a
 wgmma completes for the whole warpgroup), so the stage is no longer read.
 """
@@ -58,7 +56,7 @@ class StageRing:
         empty = gl.allocate_shared_memory(gl.int64, [spec.stages, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(spec.stages):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1 if spec.alternate else spec.mma_warpgroups)
+            mbarrier.init(empty.index(i), count=spec.mma_warpgroups)
         return StageRing(a, b, b2, ready, empty)
 
     @gluon.jit
@@ -74,8 +72,7 @@ class StageRing:
         """Consumer side: wait until stage ``step`` is filled; return its A rows of
         consumer ``WARPGROUP`` (64 of them) and its B and B2 as ``[BLOCK_K, BLOCK_N]``
         operands; with ``spec.split_b``, all of its A rows and the warpgroup's own B
-        (returned as both); with ``spec.alternate``, all of its A rows (the tile is the
-        warpgroup's)."""
+        (returned as both)."""
         s = step % spec.stages
         mbarrier.wait(self.ready.index(s), (step // spec.stages) & 1)
         if spec.split_b:
@@ -83,10 +80,7 @@ class StageRing:
             b = (self.b if WARPGROUP == 0 else self.b2).index(s)
             b2 = b
         else:
-            if spec.alternate:
-                a = self.a.index(s)
-            else:
-                a = self.a.index(s).slice(WARPGROUP * 64, 64, dim=0)
+            a = self.a.index(s).slice(WARPGROUP * 64, 64, dim=0)
             b = self.b.index(s)
             b2 = self.b2.index(s)
         if spec.b_k_major:
@@ -109,7 +103,7 @@ class StageRing:
 @gluon.jit
 def allocate_barriers(COUNT: gl.constexpr):
     """``COUNT`` mbarriers in shared memory, each expecting one arrival: the hand-overs
-    between consumer warpgroups (GEMM1's accumulator, the backward's first GEMM's turns)."""
+    between consumer warpgroups (GEMM1's accumulator)."""
     barriers = gl.allocate_shared_memory(gl.int64, [COUNT, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(COUNT):
         mbarrier.init(barriers.index(i), count=1)

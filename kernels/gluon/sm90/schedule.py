@@ -69,8 +69,7 @@ class ExpertTiles:
         base = gl.load(self.local_base + lane, mask=mine, other=0)
         count = gl.load(self.local_rows + lane, mask=mine, other=0)
         whole = base + count <= saved_rows
-        block: gl.constexpr = spec.block_m * spec.tiles_per_block  # the layout's
-        span = gl.where(whole, (count + block - 1) // block * block,
+        span = gl.where(whole, (count + spec.block_m - 1) // spec.block_m * spec.block_m,
                         gl.maximum(saved_rows - base, 0) // SAVED_M * SAVED_M)
         ends = gl.load(self.block_base + lane, mask=mine, other=0) + span
         return gl.max(gl.where(mine & (span > 0), ends, 0), axis=0)

@@ -39,14 +39,10 @@ class GemmSpec:
     tiles_per_block: gl.constexpr
     """Tiles of ``block_m`` rows per block of the receive layout (its virtual rows count
     whole blocks of ``block_m * tiles_per_block``)."""
-    alternate: gl.constexpr
-    """The consumer warpgroups take the program's tiles in turn, each a whole tile of
-    ``block_m`` (64) rows, so that a stage is read by one warpgroup."""
 
     @gluon.constexpr_function
     def __init__(self, epilogue, combine, n, k, block_m, block_n, block_k, stages, mma_warpgroups, local_pad,
-                 two_b, b_k_major, scale_k, scale_n, promote_chunk, split_b=False, tiles_per_block=1,
-                 alternate=False):
+                 two_b, b_k_major, scale_k, scale_n, promote_chunk, split_b=False, tiles_per_block=1):
         self.epilogue = gl.constexpr(epilogue)
         self.combine = gl.constexpr(combine)
         self.n = gl.constexpr(n)
@@ -64,7 +60,6 @@ class GemmSpec:
         self.promote_chunk = gl.constexpr(promote_chunk)
         self.split_b = gl.constexpr(split_b)
         self.tiles_per_block = gl.constexpr(tiles_per_block)
-        self.alternate = gl.constexpr(alternate)
 
 
 @aggregate
@@ -89,8 +84,6 @@ class TokenGemmSpec:
     """True: B token-major, K-major (read by the stage ring)."""
     split_b: gl.constexpr
     """False (read by the stage ring, as ``GemmSpec``'s)."""
-    alternate: gl.constexpr
-    """False (read by the stage ring, as ``GemmSpec``'s)."""
 
     @gluon.constexpr_function
     def __init__(self, m, n, split_m, block_m, block_n, block_k, stages, mma_warpgroups):
@@ -105,4 +98,3 @@ class TokenGemmSpec:
         self.two_b = gl.constexpr(False)
         self.b_k_major = gl.constexpr(True)
         self.split_b = gl.constexpr(False)
-        self.alternate = gl.constexpr(False)

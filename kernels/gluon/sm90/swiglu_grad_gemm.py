@@ -15,11 +15,6 @@ the load warp copies a tile's rows only once they have arrived from every source
 end (``schedule.ExpertTiles.saved_end``, in the ``tl`` kernel's tile height ``SAVED_M``:
 where that end splits a block, the second consumer warpgroup leaves its rows to the ``tl``
 kernel).
-
-Two schedules (``GemmTiles.alternate``): both consumer warpgroups on each 128-row tile,
-64 rows each (``mma.swiglu_grad_mma_partition``), or the warpgroups on alternate tiles of
-64 rows, each whole (``mma.swiglu_grad_alternate_partition``: one warpgroup's epilogue
-runs under the other's MMAs; its mainloops in turn, through two ``turns`` mbarriers).
 """
 
 from dataclasses import dataclass
@@ -33,14 +28,8 @@ from titan_megamoe.kernels.gluon.sm90.arrivals import ChunkArrivals, ChunkFlags
 from titan_megamoe.kernels.gluon.sm90.epilogue import SwigluGradOutputs
 from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GL_DTYPES, ExpertLayout, GemmTiles, tma_descriptor
 from titan_megamoe.kernels.gluon.sm90.load import ARRIVAL_LOAD_REGISTERS, LOAD_WARPS, load_arrived_rows
-from titan_megamoe.kernels.gluon.sm90.mma import (
-    ARRIVAL_MMA_REGISTERS,
-    MMA_ROWS,
-    MMA_WARPS,
-    swiglu_grad_alternate_partition,
-    swiglu_grad_mma_partition,
-)
-from titan_megamoe.kernels.gluon.sm90.ring import StageRing, allocate_barriers
+from titan_megamoe.kernels.gluon.sm90.mma import ARRIVAL_MMA_REGISTERS, MMA_ROWS, MMA_WARPS, swiglu_grad_mma_partition
+from titan_megamoe.kernels.gluon.sm90.ring import StageRing
 from titan_megamoe.kernels.gluon.sm90.schedule import ExpertTiles
 from titan_megamoe.kernels.gluon.sm90.spec import GemmSpec
 from titan_megamoe.kernels.launch import launch
@@ -58,17 +47,15 @@ def swiglu_grad_gemm_kernel(a_desc, b_desc, a_scale, b_scale, block_base, local_
                             B_K_MAJOR: gl.constexpr, SCALE_K: gl.constexpr, SCALE_N: gl.constexpr, PROMOTE_CHUNK: gl.constexpr,
                             SAVED_M: gl.constexpr, CHUNK_READY: gl.constexpr, MAX_CHUNKS: gl.constexpr,
                             EP_PAD: gl.constexpr, SCORE_BEFORE_EXPERTS: gl.constexpr, POWER_OF_TWO: gl.constexpr,
-                            ROW_ALIGN: gl.constexpr, ALTERNATE: gl.constexpr):
+                            ROW_ALIGN: gl.constexpr):
     """Persistent: one program per SM, the load warp and two consumer warpgroups over the
-    tiles of the blocks below the saved rows' end (``ALTERNATE``: 64-row tiles, two per
-    block of the layout, taken by the warpgroups in turn; else 128-row tiles shared)."""
+    tiles of the blocks below the saved rows' end."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
-    gl.static_assert(BLOCK_M == (MMA_ROWS if ALTERNATE else 2 * MMA_ROWS),
-                     "a tile is one consumer warpgroup's 64 rows (alternate) or two warpgroups' 128")
+    gl.static_assert(BLOCK_M == 2 * MMA_ROWS, "a tile is two consumer warpgroups of 64 rows")
     spec = GemmSpec(None, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 2, LOCAL_PAD, False, B_K_MAJOR, SCALE_K,
-                    SCALE_N, PROMOTE_CHUNK, tiles_per_block=2 if ALTERNATE else 1, alternate=ALTERNATE)
+                    SCALE_N, PROMOTE_CHUNK)
     ring = StageRing.allocate(a_desc, b_desc, b_desc, spec)
     staging = gl.allocate_shared_memory(gl.float32, [2, MMA_ROWS, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     tiles = ExpertTiles(block_base, local_base, local_rows, local_experts, num_blocks)
@@ -76,24 +63,14 @@ def swiglu_grad_gemm_kernel(a_desc, b_desc, a_scale, b_scale, block_base, local_
     outs = SwigluGradOutputs(preact, score, dab, h_wgrad, score_parts, N, SCORE_BEFORE_EXPERTS, SCALE_K, POWER_OF_TWO,
                              ROW_ALIGN)
     virtual_end = tiles.saved_end(saved_rows, spec, SAVED_M=SAVED_M, WARPS=MMA_WARPS)
-    tile_count = tiles.count_below(virtual_end, spec)
-    if ALTERNATE:
-        turns = allocate_barriers(2)
-        gl.warp_specialize([
-            (swiglu_grad_alternate_partition, (ring, tiles, a_scale, b_scale, staging, turns, outs, dab_q, dab_scales,
-                                               tile_count, spec, 0)),
-            (swiglu_grad_alternate_partition, (ring, tiles, a_scale, b_scale, staging, turns, outs, dab_q, dab_scales,
-                                               tile_count, spec, 1)),
-            (load_arrived_rows, (a_desc, b_desc, b_desc, ring, tiles, arrivals, tile_count, spec)),
-        ], [MMA_WARPS, LOAD_WARPS], [ARRIVAL_MMA_REGISTERS, ARRIVAL_LOAD_REGISTERS])
-    else:
-        gl.warp_specialize([
-            (swiglu_grad_mma_partition, (ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end,
-                                         spec, 0)),
-            (swiglu_grad_mma_partition, (ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end,
-                                         spec, 1)),
-            (load_arrived_rows, (a_desc, b_desc, b_desc, ring, tiles, arrivals, tile_count, spec)),
-        ], [MMA_WARPS, LOAD_WARPS], [ARRIVAL_MMA_REGISTERS, ARRIVAL_LOAD_REGISTERS])
+    gl.warp_specialize([
+        (swiglu_grad_mma_partition, (ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end, spec,
+                                     0)),
+        (swiglu_grad_mma_partition, (ring, tiles, a_scale, b_scale, staging, outs, dab_q, dab_scales, virtual_end, spec,
+                                     1)),
+        (load_arrived_rows, (a_desc, b_desc, b_desc, ring, tiles, arrivals, tiles.count_below(virtual_end, spec),
+                             spec)),
+    ], [MMA_WARPS, LOAD_WARPS], [ARRIVAL_MMA_REGISTERS, ARRIVAL_LOAD_REGISTERS])
 
 
 @dataclass(frozen=True)
@@ -155,7 +132,7 @@ def swiglu_grad_gemm(dy: torch.Tensor, w2t: torch.Tensor, layout: ExpertLayout, 
     if saved_m % int(MMA_ROWS):
         raise ValueError(f"the tl tiles past the saved rows are {saved_m} rows: where they start inside a block, "
                          f"a consumer warpgroup's {int(MMA_ROWS)} rows must be wholly saved or wholly theirs")
-    a_block = [tiles.tile_m, tiles.block_k]
+    a_block = [tiles.block_m, tiles.block_k]
     b_block = [tiles.block_n, tiles.block_k] if b_k_major else [tiles.block_k, tiles.block_n]
     if programs is None:
         programs = torch.cuda.get_device_properties(dy.device).multi_processor_count
@@ -169,5 +146,5 @@ def swiglu_grad_gemm(dy: torch.Tensor, w2t: torch.Tensor, layout: ExpertLayout, 
         SCALE_K=FP8_BLOCK if scaled else 0, SCALE_N=FP8_BLOCK, PROMOTE_CHUNK=tiles.promote_chunk, SAVED_M=saved_m,
         CHUNK_READY=chunks.chunk_ready, MAX_CHUNKS=chunks.max_chunks, EP_PAD=triton.next_power_of_2(chunks.ep),
         SCORE_BEFORE_EXPERTS=score_before_experts, POWER_OF_TWO=power_of_two, ROW_ALIGN=row_align,
-        ALTERNATE=tiles.alternate, num_warps=int(MMA_WARPS),
+        num_warps=int(MMA_WARPS),
     )
