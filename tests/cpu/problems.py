@@ -58,6 +58,18 @@ def make_weights(seed: int = 1234):
     return w1, w2, w3
 
 
+def expert_weight_shards(seed: int, rank: int, world: int, experts: int, hidden: int, inter: int):
+    """``(w1, w2, w3)`` in bf16 on the GPU: rank ``rank``'s shard of ``experts`` experts split
+    over ``world`` ranks. Every rank draws the same full weights from ``seed`` and keeps
+    its own; on the GPU, where a real layer's hundreds of millions of values take
+    milliseconds (seconds on a CPU)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    local = experts // world
+    shard = slice(rank * local, (rank + 1) * local)
+    return tuple((torch.randn(experts, *shape, generator=g, device="cuda") / shape[1] ** 0.5)[shard].bfloat16()
+                 for shape in ((inter, hidden), (hidden, inter), (inter, hidden)))
+
+
 def rel_err(a, b):
     """``relative_error``, with NaN/Inf in the result failing loudly."""
     assert torch.isfinite(a).all(), "NaN/Inf in result"

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from problems import expert_weight_shards
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,12 +36,7 @@ def _problem(rank: int, world: int, seed: int):
     x = torch.randn(TOKENS, HIDDEN, generator=g, device="cuda").bfloat16()
     idx = torch.rand(TOKENS, EXPERTS, generator=g, device="cuda").topk(TOP_K, dim=1).indices
     w = torch.softmax(torch.randn(TOKENS, TOP_K, generator=g, device="cuda"), dim=1)
-    gw = torch.Generator(device="cuda").manual_seed(seed + 1000)
-    local = EXPERTS // world
-    shard = slice(rank * local, (rank + 1) * local)
-    weights = [(torch.randn(EXPERTS, *s, generator=gw, device="cuda") / s[1] ** 0.5)[shard].bfloat16()
-               for s in ((INTER, HIDDEN), (HIDDEN, INTER), (INTER, HIDDEN))]
-    return x, idx, w, *weights
+    return x, idx, w, *expert_weight_shards(seed + 1000, rank, world, EXPERTS, HIDDEN, INTER)
 
 
 def _settings(**changes):

@@ -52,7 +52,8 @@ def main():
             a, a_scale, b, b_scale = dy, None, w2t.transpose(1, 2).contiguous(), None
         outs = SwigluGradTensors(
             preact, score, torch.empty(rows, 2 * INTER, device="cuda", dtype=torch.bfloat16),
-            torch.empty(rows, INTER, device="cuda", dtype=torch.bfloat16), torch.empty(rows, INTER // 128, device="cuda"),
+            torch.empty(rows, INTER, device="cuda", dtype=torch.bfloat16),
+            torch.empty(rows, INTER // 128, device="cuda"),
             torch.empty(rows, 2 * INTER, device="cuda", dtype=torch.float8_e4m3fn) if fp8 else None,
             torch.empty(rows, 2 * INTER // 128, device="cuda") if fp8 else None)
         for programs in (132, 100):  # every SM; those the dispatch's 32 leave in the operator
