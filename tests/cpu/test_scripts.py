@@ -762,3 +762,66 @@ def test_kernel_resources_flags_a_row_over_the_limit(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "> limit" in done.stdout
+
+
+def test_gpu_test_groups_take_every_gpu_test_once():
+    """``gpu_tests.py``'s groups against the suite as collected: every test of ``tests/gpu``
+    runs in exactly one group, every group entry names a test, and a function a group
+    names leaves its module's group."""
+    gpu_tests = load_script("gpu_tests")
+    test_ids = gpu_tests.collect()
+    chosen = gpu_tests.assign(test_ids)
+    assert set(chosen) == set(gpu_tests.GROUPS) and all(chosen.values()), chosen
+    args = [a for group in chosen.values() for a in group]
+    assert len(args) == len(set(args))
+    assert {f"{gpu_tests.SUITE}/{t.split('[', 1)[0]}" for t in test_ids} == set(args)
+    assert "tests/gpu/test_fused_gpu.py::test_one_gpu" in chosen["fused_one"]
+    assert "tests/gpu/test_fused_gpu.py::test_one_gpu" not in chosen["fused_rest"]
+    assert "tests/gpu/test_fused_gpu.py::test_one_gpu_other_mx_form" in chosen["fused_rest"]
+
+
+def test_gpu_test_groups_refuse_an_ungrouped_test_and_a_stale_entry():
+    gpu_tests = load_script("gpu_tests")
+    groups = {"a": ["test_x.py"], "b": ["test_y.py::test_two"]}
+    assert gpu_tests.assign(["test_x.py::test_one[p]", "test_y.py::test_two[q]"], groups) == {
+        "a": ["tests/gpu/test_x.py::test_one"], "b": ["tests/gpu/test_y.py::test_two"]}
+    with pytest.raises(ValueError, match="test_z.py::test_three.* is in no group"):
+        gpu_tests.assign(["test_x.py::test_one", "test_y.py::test_two", "test_z.py::test_three"], groups)
+    with pytest.raises(ValueError, match="match no test of tests/gpu: test_y.py::test_two"):
+        gpu_tests.assign(["test_x.py::test_one"], groups)
+    with pytest.raises(ValueError, match="in groups a and b"):
+        gpu_tests.assign(["test_x.py::test_one"], {"a": ["test_x.py"], "b": ["test_x.py"]})
+
+
+def test_gpu_tests_bad_arguments_name_the_value(capsys):
+    gpu_tests = load_script("gpu_tests")
+    with pytest.raises(SystemExit):
+        gpu_tests.main(["--groups", "kernels,nope"])
+    assert "unknown groups nope" in capsys.readouterr().err
+
+
+def test_gpu_tests_refuse_to_run_without_a_gpu(monkeypatch, capsys):
+    """Without a GPU every test of the suite would skip and the run look green."""
+    gpu_tests = load_script("gpu_tests")
+    monkeypatch.setattr(gpu_tests.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        gpu_tests.main(["--groups", "fused_one"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert gpu_tests.main(["--groups", "fused_one", "--list"]) == 0
+    assert "fused_one: tests/gpu/test_fused_gpu.py::test_one_gpu" in capsys.readouterr().out
+
+
+def test_gpu_test_group_counts_and_limit(tmp_path):
+    """A group's counts come from pytest's summary line; a group past its limit is stopped
+    (with what it spawned) and reported so."""
+    gpu_tests = load_script("gpu_tests")
+    quick = tmp_path / "test_quick.py"
+    quick.write_text("import pytest\n\ndef test_a():\n    pass\n\n@pytest.mark.skip\ndef test_b():\n    pass\n")
+    slow = tmp_path / "test_slow.py"
+    slow.write_text("import time\n\ndef test_c():\n    time.sleep(60)\n")
+    done = gpu_tests.run_group("quick", [str(quick)], 60, tmp_path)
+    assert (done["rc"], done["passed"], done["skipped"], done["stopped_by_limit"]) == (0, 1, 1, False), done
+    start = time.monotonic()
+    stopped = gpu_tests.run_group("slow", [str(slow)], 3, tmp_path)
+    assert stopped["stopped_by_limit"] and stopped["rc"] is None and time.monotonic() - start < 30, stopped
+    assert (tmp_path / "slow.log").exists()
