@@ -112,17 +112,19 @@ def dispatch_grad_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
-                recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs,
-                grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
-                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, True, NEEDS_INPUT, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, LINK_X_SCALE_K, LINK_GRAD_SCALE_K, POWER_OF_TWO,
-                LINK_X_ROUND_K,
+                item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start, recv, recv_scales,
+                recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs,
+                flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank, HIDDEN=HIDDEN, TOP_K=TOP_K,
+                SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS, WITH_GRAD=True, NEEDS_INPUT=NEEDS_INPUT,
+                CHUNK_READY=CHUNK_READY, MAX_CHUNKS=MAX_CHUNKS, EXPERT_PAD=EP_PAD * LOCAL_PAD, BLOCK_M=BLOCK_M,
+                COPY_ROWS=COPY_ROWS, COPY_COLS=COPY_COLS, ROW_SCALE_K=LINK_X_SCALE_K, GRAD_SCALE_K=LINK_GRAD_SCALE_K,
+                POWER_OF_TWO=POWER_OF_TWO, ROW_ROUND_K=LINK_X_ROUND_K,
             )
 
     if TILES == DISPATCH_ONLY:
         if ZERO_PADDING:
-            _zero_padding(recv, recv_grad, local_base, local_rows, local_experts, HIDDEN, ROW_ALIGN, BLOCK_K)
+            _zero_padding(recv, recv_grad, local_base, local_rows, local_experts, HIDDEN=HIDDEN, ROW_ALIGN=ROW_ALIGN,
+                          BLOCK_K=BLOCK_K)
     else:
         n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
         # The tiles' virtual rows (``layout``): the saved ones are a prefix.
@@ -130,7 +132,7 @@ def dispatch_grad_gemm1_kernel(
         last_row = tl.load(state + NUM_BLOCKS).to(tl.int32) * BLOCK_M
         if TILES != ALL_TILES:
             saved_end = saved_tile_rows(block_base, local_base, local_rows, local_experts, saved_rows,
-                                        TILE_M, BLOCK_M, LOCAL_PAD)
+                                        TILE_M=TILE_M, BLOCK_M=BLOCK_M, LOCAL_PAD=LOCAL_PAD)
             if TILES == SAVED_TILES:
                 last_row = saved_end
             else:
@@ -142,8 +144,8 @@ def dispatch_grad_gemm1_kernel(
             le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
                                             first_row + (tile // n_tiles) * TILE_M, LOCAL_PAD)
             wait_rows(
-                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-                local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
+                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep, local_experts,
+                CHUNK_READY=CHUNK_READY, MAX_CHUNKS=MAX_CHUNKS, EP_PAD=EP_PAD, BLOCK_M=BLOCK_M, TILE_M=TILE_M,
             )
 
             # The next tile, claimed now: the mainloop hides the atomic's round trip.
@@ -154,29 +156,31 @@ def dispatch_grad_gemm1_kernel(
             # The expert's rows and its padding: every row the tile stores.
             owned = rows < base + (end - base + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
             if RECOMPUTE:
-                g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
-                               TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, X_SCALE_K, W_SCALE_N, MX_DOT, X_READ_K)
+                g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN=HIDDEN,
+                               INTER=INTER, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST_DOT=UPCAST_DOT,
+                               SCALE_K=X_SCALE_K, W_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=X_READ_K)
                 if ROUND_PREACT:
                     g = g.to(ACT_DTYPE).to(tl.float32)
                     u = u.to(ACT_DTYPE).to(tl.float32)
             elif EPILOGUE_PARTS == 1:
                 # Loaded before the K loop, which hides their latency (two halves held
                 # through it would take the registers that the parts free).
-                g, u = _saved_preact(preact, rows, live, n0, BLOCK_N, INTER, BLOCK_N)
+                g, u = _saved_preact(preact, rows, live, n0, COLS=BLOCK_N, INTER=INTER, BLOCK_N=BLOCK_N)
             # The scores too: one value per row, its latency hidden by the K loop.
             score = None if SCORE_BEFORE_EXPERTS else tl.load(recv_score + rows, mask=live, other=0.0)
 
             # d = dy W2[le][:, cols] = dy (W2^T)[le][cols, :]^T.
             d = tile_gemm(
-                recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, None, None, le, n0, 0, HIDDEN,
-                N=INTER, K=HIDDEN, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False,
-                SCALE_K=GRAD_SCALE_K, B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=GRAD_READ_K,
+                recv_grad, recv_grad_scales, rows, w2_operand, w2_operand_scales, b2=None, b2_scale=None, expert=le,
+                n0=n0, k_start=0, k_end=HIDDEN, N=INTER, K=HIDDEN, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                TWO_B=False, SCALE_K=GRAD_SCALE_K, B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=GRAD_READ_K,
                 UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W2_AS_STORED, B_K_SPLIT=0,
             )
             if EPILOGUE_PARTS == 1:
                 score_part = _swiglu_backward(
-                    d, g, u, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
-                    SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                    d, g, u, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER=INTER,
+                    BLOCK_N=BLOCK_N, SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS, GRAD_SCALE_K=GRAD_SCALE_K,
+                    GRAD_ROUND_K=GRAD_ROUND_K, POWER_OF_TWO=POWER_OF_TWO, ACT_DTYPE=ACT_DTYPE,
                 )
             else:
                 tl.static_assert(EPILOGUE_PARTS == 2, "the epilogue runs in one part or two")
@@ -186,16 +190,18 @@ def dispatch_grad_gemm1_kernel(
                     g0, g1 = _halves(g)
                     u0, u1 = _halves(u)
                 else:
-                    g0, u0 = _saved_preact(preact, rows, live, n0, HALF_N, INTER, BLOCK_N)
+                    g0, u0 = _saved_preact(preact, rows, live, n0, COLS=HALF_N, INTER=INTER, BLOCK_N=BLOCK_N)
                 score_part = _swiglu_backward(
-                    d0, g0, u0, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER, BLOCK_N,
-                    SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                    d0, g0, u0, n0, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER=INTER,
+                    BLOCK_N=BLOCK_N, SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS, GRAD_SCALE_K=GRAD_SCALE_K,
+                    GRAD_ROUND_K=GRAD_ROUND_K, POWER_OF_TWO=POWER_OF_TWO, ACT_DTYPE=ACT_DTYPE,
                 )
                 if not RECOMPUTE:
-                    g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, HALF_N, INTER, BLOCK_N)
+                    g1, u1 = _saved_preact(preact, rows, live, n0 + HALF_N, COLS=HALF_N, INTER=INTER, BLOCK_N=BLOCK_N)
                 score_part += _swiglu_backward(
-                    d1, g1, u1, n0 + HALF_N, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER,
-                    BLOCK_N, SCORE_BEFORE_EXPERTS, GRAD_SCALE_K, GRAD_ROUND_K, POWER_OF_TWO, ACT_DTYPE,
+                    d1, g1, u1, n0 + HALF_N, rows, live, owned, score, dab, dab_q, dab_scales, h_wgrad, INTER=INTER,
+                    BLOCK_N=BLOCK_N, SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS, GRAD_SCALE_K=GRAD_SCALE_K,
+                    GRAD_ROUND_K=GRAD_ROUND_K, POWER_OF_TWO=POWER_OF_TWO, ACT_DTYPE=ACT_DTYPE,
                 )
             tl.store(score_parts + rows * n_tiles + n_tile, score_part, mask=live)
 
@@ -302,10 +308,10 @@ def _swiglu_backward(
         at_q = dab_q + rows[:, None] * (2 * INTER) + cols[None, :]
         at_s = dab_scales + rows[:, None] * SCALE_COLS + kb[None, :]
         s_mask = owned[:, None] & (kb[None, :] < INTER // GRAD_SCALE_K)
-        q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+        q, scales = quantize_tile(da.to(ACT_DTYPE).to(tl.float32), SCALE_K=GRAD_SCALE_K, POWER_OF_TWO=POWER_OF_TWO)
         tl.store(at_q, q, mask=mask)
         tl.store(at_s, scales, mask=s_mask)
-        q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), GRAD_SCALE_K, POWER_OF_TWO)
+        q, scales = quantize_tile(db.to(ACT_DTYPE).to(tl.float32), SCALE_K=GRAD_SCALE_K, POWER_OF_TWO=POWER_OF_TWO)
         tl.store(at_q + INTER, q, mask=mask)
         tl.store(at_s + INTER // GRAD_SCALE_K, scales, mask=s_mask)
     if GRAD_ROUND_K > 0:

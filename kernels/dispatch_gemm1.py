@@ -116,21 +116,24 @@ def dispatch_item(
             dst = dest[:, None] * HIDDEN + c[None, :]
             v = tl.load(x + src, mask=x_mask, other=0.0)
             if COPY_X_SCALES:
-                x_scale_src, x_scale_mask = _scale_chunk(token, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
-                x_scale_dst, _ = _scale_chunk(dest, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+                x_scale_src, x_scale_mask = _scale_chunk(token, c0, x_live, HIDDEN=HIDDEN, SCALE_K=ROW_SCALE_K,
+                                                         COPY_COLS=COPY_COLS)
+                x_scale_dst, _ = _scale_chunk(dest, c0, x_live, HIDDEN=HIDDEN, SCALE_K=ROW_SCALE_K, COPY_COLS=COPY_COLS)
                 x_scale = tl.load(x_scales + x_scale_src, mask=x_scale_mask)
             if WITH_GRAD:
                 g = tl.load(dy + src, mask=mask)
             if COPY_DY_SCALES:
-                dy_scale_src, dy_scale_mask = _scale_chunk(token, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
-                dy_scale_dst, _ = _scale_chunk(dest, c0, live, HIDDEN, GRAD_SCALE_K, COPY_COLS)
+                dy_scale_src, dy_scale_mask = _scale_chunk(token, c0, live, HIDDEN=HIDDEN, SCALE_K=GRAD_SCALE_K,
+                                                           COPY_COLS=COPY_COLS)
+                dy_scale_dst, _ = _scale_chunk(dest, c0, live, HIDDEN=HIDDEN, SCALE_K=GRAD_SCALE_K, COPY_COLS=COPY_COLS)
                 dy_scale = tl.load(dy_scales + dy_scale_src, mask=dy_scale_mask)
             if SCORE_BEFORE_EXPERTS:
                 v = (v.to(tl.float32) * score[:, None]).to(v.dtype)
             if (ROW_SCALE_K > 0) & SCORE_BEFORE_EXPERTS:
                 # Each (token, slot) row differs: quantized here, after scaling.
-                q, scales = quantize_tile(v.to(tl.float32), ROW_SCALE_K, POWER_OF_TWO)
-                scale_dst, scale_mask = _scale_chunk(dest, c0, x_live, HIDDEN, ROW_SCALE_K, COPY_COLS)
+                q, scales = quantize_tile(v.to(tl.float32), SCALE_K=ROW_SCALE_K, POWER_OF_TWO=POWER_OF_TWO)
+                scale_dst, scale_mask = _scale_chunk(dest, c0, x_live, HIDDEN=HIDDEN, SCALE_K=ROW_SCALE_K,
+                                                     COPY_COLS=COPY_COLS)
                 tl.store(recv + dst, q, mask=x_mask)
                 tl.store(recv_scales + scale_dst, scales, mask=scale_mask)
             elif (ROW_ROUND_K > 0) & SCORE_BEFORE_EXPERTS:
@@ -206,11 +209,12 @@ def dispatch_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x_scales, x, None, topk_w, order, send_start, dest_start, item_start,
-                recv, recv_scales, recv, None, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs,
-                meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
-                HIDDEN, TOP_K, SCORE_BEFORE_EXPERTS, False, 0, CHUNK_READY, MAX_CHUNKS,
-                EP_PAD * LOCAL_PAD, BLOCK_M, COPY_ROWS, COPY_COLS, SCALE_K, 0, POWER_OF_TWO, ROUND_K,
+                item, x, x_scales, x, None, topk_w, order, send_start, dest_start, item_start, recv, recv_scales, recv,
+                None, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep,
+                local_experts, rows_per_rank, HIDDEN=HIDDEN, TOP_K=TOP_K, SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS,
+                WITH_GRAD=False, NEEDS_INPUT=0, CHUNK_READY=CHUNK_READY, MAX_CHUNKS=MAX_CHUNKS,
+                EXPERT_PAD=EP_PAD * LOCAL_PAD, BLOCK_M=BLOCK_M, COPY_ROWS=COPY_ROWS, COPY_COLS=COPY_COLS,
+                ROW_SCALE_K=SCALE_K, GRAD_SCALE_K=0, POWER_OF_TWO=POWER_OF_TWO, ROW_ROUND_K=ROUND_K,
             )
     if not DISPATCH_ONLY:
         n_tiles: tl.constexpr = tl.cdiv(INTER, BLOCK_N)
@@ -221,8 +225,8 @@ def dispatch_gemm1_kernel(
             le, base, end, row0 = tile_rows(block_base, local_base, local_rows, local_experts,
                                             (tile // n_tiles) * TILE_M, LOCAL_PAD)
             wait_rows(
-                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep,
-                local_experts, CHUNK_READY, MAX_CHUNKS, EP_PAD, BLOCK_M, TILE_M,
+                flags, flag_ptrs, state, src_offset, src_rows, base, le, row0, epoch, rank, ep, local_experts,
+                CHUNK_READY=CHUNK_READY, MAX_CHUNKS=MAX_CHUNKS, EP_PAD=EP_PAD, BLOCK_M=BLOCK_M, TILE_M=TILE_M,
             )
 
             if CLAIM_AHEAD:  # the mainloop hides the atomic's round trip
@@ -230,8 +234,9 @@ def dispatch_gemm1_kernel(
             rows = (row0 + tl.arange(0, TILE_M)).to(tl.int64)
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = (cols < INTER) | (INTER % BLOCK_N == 0)
-            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN, INTER,
-                           TILE_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SCALE_K, W_SCALE_N, MX_DOT, False)
+            g, u = gate_up(recv, recv_scales, w1, w1_scales, w3, w3_scales, le, rows, n0, HIDDEN=HIDDEN, INTER=INTER,
+                           BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST_DOT=UPCAST_DOT, SCALE_K=SCALE_K,
+                           W_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=False)
             out = g * tl.sigmoid(g) * u
             live = rows < end
             mask = live[:, None] & col_ok[None, :]
@@ -243,7 +248,7 @@ def dispatch_gemm1_kernel(
             else:
                 tl.static_assert(BLOCK_N % SCALE_K == 0, "a GEMM1 tile must hold whole scale blocks of h")
                 H_SCALE_COLS: tl.constexpr = tl.cdiv(INTER, SCALE_K)
-                hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K, POWER_OF_TWO)
+                hq, hs = quantize_tile(out.to(ACT_DTYPE).to(tl.float32), SCALE_K=SCALE_K, POWER_OF_TWO=POWER_OF_TWO)
                 tl.store(h + rows[:, None] * INTER + cols[None, :], hq, mask=mask)
                 kb = n0 // SCALE_K + tl.arange(0, BLOCK_N // SCALE_K)
                 tl.store(h_scales + rows[:, None] * H_SCALE_COLS + kb[None, :], hs,
@@ -272,7 +277,7 @@ def gate_up(
     when ``SCALE_K`` > 0, the rows quantized as they are read with ``QUANTIZE_A`` > 0
     (``tile_gemm``)."""
     return tile_gemm(
-        recv, recv_scales, rows, w1, w1_scales, w3, w3_scales, le, n0, 0, HIDDEN,
+        recv, recv_scales, rows, w1, w1_scales, b2=w3, b2_scale=w3_scales, expert=le, n0=n0, k_start=0, k_end=HIDDEN,
         N=INTER, K=HIDDEN, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=True, SCALE_K=SCALE_K,
         B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=QUANTIZE_A, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=False,
         B_K_SPLIT=0,

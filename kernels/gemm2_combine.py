@@ -84,10 +84,10 @@ def rows_gemm_combine_kernel(
         # it they held up every tile's stores (docs/perf.md v29).
         live = rows < end
         origin = tl.load(recv_meta + rows, mask=live, other=0)
-        offset = _peer_offset(combine_ptrs, origin // rows_per_rank, rank, live, elem, 16 // elem)
+        offset = _peer_offset(combine_ptrs, origin // rows_per_rank, rank, live, ELEM_BYTES=elem, ALIGN=16 // elem)
         dest = offset + (origin % rows_per_rank).to(tl.int64) * N
         acc = tile_gemm(
-            a, a_scales, rows, w, w_scales, w_rest, None, le, n0, 0, K,
+            a, a_scales, rows, w, w_scales, b2=w_rest, b2_scale=None, expert=le, n0=n0, k_start=0, k_end=K,
             N=N, K=K, BLOCK_M=TILE_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=SCALE_K,
             B_SCALE_N=W_SCALE_N, MX_DOT=MX_DOT, QUANTIZE_A=0, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=W_AS_STORED,
             B_K_SPLIT=K_SPLIT,
@@ -125,7 +125,7 @@ def release_combine(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, 
             )
             origin = tl.load(recv_meta + rows, mask=live, other=0)
             source = origin // rows_per_rank
-            offset = _peer_offset(score_grad_ptrs, source, rank, live, 4, 1)
+            offset = _peer_offset(score_grad_ptrs, source, rank, live, ELEM_BYTES=4, ALIGN=1)
             tl.store(score_grad + offset + (origin % rows_per_rank), ds, mask=live)
 
     tl.debug_barrier()

@@ -194,7 +194,7 @@ def tile_gemm(
             if QUANTIZE_A:
                 # Columns past K read as 0: a partial last block quantizes as the
                 # reference's zero-padded one.
-                x, sx = quantize_tile(x.to(tl.float32), SCALE_K, True)
+                x, sx = quantize_tile(x.to(tl.float32), SCALE_K=SCALE_K, POWER_OF_TWO=True)
             else:
                 sx = tl.load(sa_ptrs + kb, mask=kb_ok[None, :], other=1.0)
             y = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)

@@ -135,7 +135,7 @@ def round_rows(values, SCALE_K: tl.constexpr):
     MX operand held in bf16 (``Format.in_bf16``), exact in bf16 from 2^-126 up."""
     ROWS: tl.constexpr = values.shape[0]
     COLS: tl.constexpr = values.shape[1]
-    q, scales = quantize_tile(values, SCALE_K, True)
+    q, scales = quantize_tile(values, SCALE_K=SCALE_K, POWER_OF_TWO=True)
     blocks = tl.reshape(q.to(tl.float32), (ROWS, COLS // SCALE_K, SCALE_K)) * scales[:, :, None]
     return tl.reshape(blocks, (ROWS, COLS))
 
@@ -175,7 +175,7 @@ def quantize_rows_kernel(
     if DEQUANTIZE:
         tl.store(q + at, round_rows(values, SCALE_K).to(q.dtype.element_ty), mask=mask)
     else:
-        tile_q, tile_scales = quantize_tile(values, SCALE_K, POWER_OF_TWO)
+        tile_q, tile_scales = quantize_tile(values, SCALE_K=SCALE_K, POWER_OF_TWO=POWER_OF_TWO)
         tl.store(q + at, tile_q, mask=mask)
         K_BLOCKS: tl.constexpr = tl.cdiv(COLS, SCALE_K)
         kb = tl.program_id(1) * (BLOCK_COLS // SCALE_K) + tl.arange(0, BLOCK_COLS // SCALE_K)

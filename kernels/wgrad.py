@@ -76,7 +76,7 @@ def dequantized_rows_kernel(
     if row0 < base + tl.cdiv(count, ROW_ALIGN) * ROW_ALIGN:
         rows = row0 + tl.arange(0, BLOCK_R)
         live = rows < tl.minimum(base + count, num_rows)
-        v = _rows_as_fp32(t, t_scales, rows, col0, live, COLS, COLS, BLOCK_C, SCALE_K)
+        v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE=COLS, COLS=COLS, BLOCK=BLOCK_C, SCALE_K=SCALE_K)
         if MX_TOKEN_BLOCK > 0:
             tl.static_assert(MX_TOKEN_BLOCK == BLOCK_R, "a program rounds one token block")
             v = mx_round_columns(v)
@@ -110,7 +110,7 @@ def token_major_kernel(
         offsets = (block - first) * TOKEN_BLOCK + tl.arange(0, TOKEN_BLOCK)
         live = offsets < tl.load(local_rows + expert)
         rows = tl.load(local_base + expert) + offsets
-        v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE, COLS, BLOCK_C, SCALE_K)
+        v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE=STRIDE, COLS=COLS, BLOCK=BLOCK_C, SCALE_K=SCALE_K)
         # Quantized as loaded, transposed by the store: one byte per element crosses
         # the threads, not four (docs/perf.md v36).
         q, scale = quantize_columns(v, POWER_OF_TWO)  # [TOKEN_BLOCK, BLOCK_C], [BLOCK_C]
@@ -144,8 +144,8 @@ def wgrad_kernel(
     m_rows = m0 + tl.arange(0, BLOCK_M)
     n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
-        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, None, None, 0, n0, k_start, k_end,
-        N=N, K=KT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=TOKEN_BLOCK,
+        a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, b2=None, b2_scale=None, expert=0, n0=n0, k_start=k_start,
+        k_end=k_end, N=N, K=KT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=TOKEN_BLOCK,
         B_SCALE_N=1, MX_DOT=MX_DOT, QUANTIZE_A=0, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=False, B_K_SPLIT=0,
     )
     if SPLIT_M > 0:

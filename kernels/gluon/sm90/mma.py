@@ -193,7 +193,7 @@ def mma_partition(ring, tiles, a_scale, b_scale, out, row_origin, out_ptrs, rank
             acc2 = acc
         else:
             acc, acc2, step = mainloop(ring, step, acc, acc, spec, WARPGROUP=WARPGROUP)
-        dest = row_starts(origin, live, out, out_ptrs, rank, rows_per_rank, spec.n, spec.combine)
+        dest = row_starts(origin, live, out, out_ptrs, rank, rows_per_rank, N=spec.n, COMBINE=spec.combine)
         spec.epilogue(acc, acc2, out, dest, live, n0)
 
 
