@@ -6,8 +6,8 @@
 Every test of ``tests/gpu`` belongs to exactly one group (``GROUPS``: a test module, or
 one of its test functions; a module's functions that no group names go to the group that
 names the module). Each group is one pytest process under ``--timeout`` seconds; up to
-``--side-by-side`` of them share the GPU at once (their memory fits one 80 GB GPU
-together). Writes each group's log (``DIR/<group>.log``) and ``DIR/gpu_tests.json``, prints
+``--side-by-side`` of them share the GPU at once (three have run side by side on one 80 GB
+GPU; more is not measured). Writes each group's log (``DIR/<group>.log``) and ``DIR/gpu_tests.json``, prints
 a table (group, seconds, passed / failed / skipped, whether the limit stopped it) and
 exits non-zero if a group failed or was stopped. ``--list`` prints each group's pytest
 arguments and runs nothing.
@@ -125,9 +125,9 @@ def main(argv=None) -> int:
         p.error(f"unknown groups {', '.join(unknown)}; the groups are {', '.join(GROUPS)}")
     if args.side_by_side < 1 or args.timeout < 1:
         p.error(f"--side-by-side {args.side_by_side} and --timeout {args.timeout} must be positive")
-    chosen = assign(collect())
     if not args.list and not torch.cuda.is_available():
         p.error("needs a CUDA GPU: without one every test of tests/gpu skips (tests/cpu is the CPU suite)")
+    chosen = assign(collect())
     if args.list:
         for name in names:
             print(f"{name}: {' '.join(chosen[name])}")
