@@ -14,10 +14,10 @@ local-memory resize that waits for the device to go idle). Writes ``kernel_resou
 
 ``--gluon`` compiles the Gluon grouped GEMM core instead, at the layer's four row GEMMs with
 its default tiles, at GEMM1 with its SwiGLU epilogue and the backward's first GEMM with
-its SwiGLU-backward epilogue (the tile table's tiles) and (fp8) at the weight gradients dW1 and dW3, grouped along the
-tokens, and records what the machine code shows of its warp specialization:
-register reallocations (``setmaxnreg``), TMA loads and the wgmma groups each wait leaves
-in flight.
+its SwiGLU-backward epilogue (the tile table's tiles) and (fp8) at the weight gradients dW1
+and dW3, grouped along the tokens (bf16 and fp32 outputs), and records what the machine
+code shows of its warp specialization: register reallocations (``setmaxnreg``), TMA loads
+and stores, and the wgmma groups each wait leaves in flight.
 
 The compile-only launch swaps in a stand-in for Triton's CUDA driver that names the
 target and never touches a device: it depends on Triton's runtime internals (tested
@@ -112,10 +112,11 @@ def _usage(cubin: bytes) -> dict[str, int]:
 
 def _warp_specialization(sass: str) -> dict[str, object]:
     """What a warp-specialized Hopper kernel's machine code shows of its structure: register
-    reallocations between partitions (``setmaxnreg``), TMA loads, and how many wgmma groups
-    each wait leaves in flight."""
+    reallocations between partitions (``setmaxnreg``), TMA loads and stores, and how many
+    wgmma groups each wait leaves in flight."""
     return {"setmaxnreg": len(re.findall(r"\bUSETMAXREG\b", sass)),
             "tma_loads": len(re.findall(r"\bUTMALDG\b", sass)),
+            "tma_stores": len(re.findall(r"\bUTMASTG\b", sass)),
             "mma_waits_in_flight": sorted({int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)",
                                                                           sass)})}
 
@@ -220,12 +221,14 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
         blocks = torch.full((local,), -(-TOKENS_PER_RANK // 128), dtype=torch.int32)
         block_start = torch.cat([torch.zeros(1, dtype=torch.int32), blocks.cumsum(0).to(torch.int32)])
         tokens = int(block_start[-1]) * 128
-        records.clear()
-        token_grouped_gemm(torch.zeros(2 * layer.inter, tokens, dtype=dtype), torch.ones(tokens // 128, 2 * layer.inter),
-                           torch.zeros(layer.hidden, tokens, dtype=dtype), torch.ones(tokens // 128, layer.hidden),
-                           block_start, tuple(torch.empty(local, layer.inter, layer.hidden, dtype=torch.bfloat16)
-                                              for _ in range(2)), programs=PROGRAMS)
-        compiled += [{**r, "kernel": "gluon wgrad"} for r in records]
+        for out_dtype, name in ((torch.bfloat16, "gluon wgrad"), (torch.float32, "gluon wgrad fp32")):
+            records.clear()  # fp32: the weight gradients of float32 activations
+            token_grouped_gemm(torch.zeros(2 * layer.inter, tokens, dtype=dtype),
+                               torch.ones(tokens // 128, 2 * layer.inter), torch.zeros(layer.hidden, tokens, dtype=dtype),
+                               torch.ones(tokens // 128, layer.hidden), block_start,
+                               tuple(torch.empty(local, layer.inter, layer.hidden, dtype=out_dtype) for _ in range(2)),
+                               programs=PROGRAMS)
+            compiled += [{**r, "kernel": name} for r in records]
     return compiled
 
 

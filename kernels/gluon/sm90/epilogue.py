@@ -133,17 +133,33 @@ GATE_UP_PARTS = gl.constexpr(4)
 
 
 @gluon.jit
-def _swiglu_backward_part(d, rows, live, owned, score, c0, outs):
-    """The SwiGLU backward of ``rows`` over intermediate columns ``c0 ..`` (``d``'s width):
+def _preact_part(rows, live, c0, outs, layout: gl.constexpr, PART_N: gl.constexpr):
+    """The saved ``g`` and ``u`` of ``rows`` over intermediate columns ``c0 .. c0 + PART_N``,
+    as stored (bf16). A load cannot be moved above an earlier store to memory that may be
+    the same, so the caller issues it where its latency should start."""
+    cols = c0 + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
+    at = rows.to(gl.int64)[:, None] * (2 * outs.inter) + cols[None, :]
+    g = gl.load(outs.preact + at, mask=live[:, None], other=0.0)
+    u = gl.load(outs.preact + at + outs.inter, mask=live[:, None], other=0.0)
+    return g, u
+
+
+@gluon.jit
+def _swiglu_backward_part(staging, j: gl.constexpr, g, u, rows, live, owned, score, n0, outs, sums):
+    """The SwiGLU backward of ``rows`` over part ``j`` of the tile's columns from ``n0``
+    (``d`` from ``staging``; ``g``, ``u``: its saved pre-activations, ``_preact_part``):
     stores their ``[da | db]`` and ``h_wgrad`` (zeros in the ``owned`` rows past the ``live``
-    ones) and returns each row's ``<h, d>`` and largest ``|da|``, ``|db|`` as stored. Formed
-    as ``backward_dispatch_gemm1._swiglu_backward`` forms them."""
-    layout: gl.constexpr = d.type.layout
+    ones) and returns each row's ``<h, d>`` and largest ``|da|``, ``|db|`` as stored, over
+    the parts so far (``sums`` of the parts before, or None). Formed as
+    ``backward_dispatch_gemm1._swiglu_backward`` forms them."""
+    layout: gl.constexpr = g.type.layout
+    PART_N: gl.constexpr = g.shape[1]
     inter: gl.constexpr = outs.inter
-    cols = c0 + gl.arange(0, d.shape[1], layout=gl.SliceLayout(0, layout))
+    d = staging.slice(j * PART_N, PART_N, dim=1).load(layout)
+    cols = n0 + j * PART_N + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
     at = rows.to(gl.int64)[:, None] * (2 * inter) + cols[None, :]
-    g = gl.load(outs.preact + at, mask=live[:, None], other=0.0).to(gl.float32)
-    u = gl.load(outs.preact + at + inter, mask=live[:, None], other=0.0).to(gl.float32)
+    g = g.to(gl.float32)
+    u = u.to(gl.float32)
     sig = 1.0 / (1.0 + gl.exp(-g))
     silu = g * sig
     h = silu * u
@@ -161,16 +177,32 @@ def _swiglu_backward_part(d, rows, live, owned, score, c0, outs):
     gl.store(outs.dab + at + inter, db, mask=owned[:, None])
     at_h = rows.to(gl.int64)[:, None] * inter + cols[None, :]
     gl.store(outs.h_wgrad + at_h, gl.where(keep, h, 0.0).to(stored), mask=owned[:, None])
-    return part, gl.max(gl.abs(da.to(gl.float32)), axis=1), gl.max(gl.abs(db.to(gl.float32)), axis=1)
+    amax_a = gl.max(gl.abs(da.to(gl.float32)), axis=1)
+    amax_b = gl.max(gl.abs(db.to(gl.float32)), axis=1)
+    if sums is not None:
+        part = part + sums[0]
+        amax_a = gl.maximum(amax_a, sums[1])
+        amax_b = gl.maximum(amax_b, sums[2])
+    return part, amax_a, amax_b
 
 
 @gluon.jit
-def _quantize_part(dab, dab_q, at, owned, multiplier):
-    """``dab_q[at] = dab[at] * multiplier`` in e4m3, per row, for the values this thread
-    stored into ``dab`` (read back: holding every part's ``[da | db]`` until the last one is
-    formed would spill)."""
-    vals = gl.load(dab + at, mask=owned[:, None], other=0.0).to(gl.float32)
-    gl.store(dab_q + at, (vals * multiplier[:, None]).to(gl.float8e4nv), mask=owned[:, None])
+def _quantize_scale_block(dab, dab_q, at, owned, multiplier, PART_N: gl.constexpr):
+    """``dab_q[at + c] = dab[at + c] * multiplier`` in e4m3, per row, over one scale block
+    (the ``SWIGLU_GRAD_PARTS`` parts of ``PART_N`` columns from ``at``) of the values this
+    thread stored into ``dab``: read back (holding every part's ``[da | db]`` until the last
+    one is formed would spill), every part's load issued before the first store."""
+    gl.static_assert(SWIGLU_GRAD_PARTS == 4, "the scale block reads back in four named parts")
+    v0 = gl.load(dab + at, mask=owned[:, None], other=0.0)
+    v1 = gl.load(dab + at + PART_N, mask=owned[:, None], other=0.0)
+    v2 = gl.load(dab + at + 2 * PART_N, mask=owned[:, None], other=0.0)
+    v3 = gl.load(dab + at + 3 * PART_N, mask=owned[:, None], other=0.0)
+    gl.store(dab_q + at, (v0.to(gl.float32) * multiplier[:, None]).to(gl.float8e4nv), mask=owned[:, None])
+    gl.store(dab_q + at + PART_N, (v1.to(gl.float32) * multiplier[:, None]).to(gl.float8e4nv), mask=owned[:, None])
+    gl.store(dab_q + at + 2 * PART_N, (v2.to(gl.float32) * multiplier[:, None]).to(gl.float8e4nv),
+             mask=owned[:, None])
+    gl.store(dab_q + at + 3 * PART_N, (v3.to(gl.float32) * multiplier[:, None]).to(gl.float8e4nv),
+             mask=owned[:, None])
 
 
 @gluon.jit
@@ -179,7 +211,8 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
     ``rows0`` of a tile (``acc = dy W2`` over its ``BLOCK_N`` columns from ``n0``; rows from
     ``row_end`` on belong to the next expert or its padding): ``acc`` goes through
     ``staging`` (the warpgroup's ``[64, BLOCK_N]`` fp32 shared memory) so that each of
-    ``SWIGLU_GRAD_PARTS`` column parts is formed with one part's temporaries live; with
+    ``SWIGLU_GRAD_PARTS`` column parts is formed with one part's temporaries live (every
+    part's saved pre-activations loaded first, together); with
     ``scale_k`` the tile is one scale block of ``da`` and one of ``db``, quantized once every
     part is stored into ``dab_q`` (e4m3) and ``dab_scales [rows, 2I / scale_k]``."""
     BLOCK_N: gl.constexpr = acc.shape[1]
@@ -195,15 +228,17 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
         score = gl.load(outs.score + rows, mask=live, other=0.0)
     staging.store(acc)
     thread_barrier()
-    part = gl.zeros([64], gl.float32, gl.SliceLayout(1, layout))
-    amax_a = part
-    amax_b = part
-    for j in gl.static_range(SWIGLU_GRAD_PARTS):
-        d = staging.slice(j * PART_N, PART_N, dim=1).load(layout)
-        part_j, amax_a_j, amax_b_j = _swiglu_backward_part(d, rows, live, owned, score, n0 + j * PART_N, outs)
-        part += part_j
-        amax_a = gl.maximum(amax_a, amax_a_j)
-        amax_b = gl.maximum(amax_b, amax_b_j)
+    # Each part's g and u are loaded two parts ahead of their use (32 registers): loaded
+    # just before it, each part waited for its loads alone, behind the last part's stores.
+    gl.static_assert(SWIGLU_GRAD_PARTS == 4, "the pre-activations load in four named parts")
+    g0, u0 = _preact_part(rows, live, n0, outs, layout=layout, PART_N=PART_N)
+    g1, u1 = _preact_part(rows, live, n0 + PART_N, outs, layout=layout, PART_N=PART_N)
+    sums = _swiglu_backward_part(staging, 0, g0, u0, rows, live, owned, score, n0, outs, None)
+    g2, u2 = _preact_part(rows, live, n0 + 2 * PART_N, outs, layout=layout, PART_N=PART_N)
+    sums = _swiglu_backward_part(staging, 1, g1, u1, rows, live, owned, score, n0, outs, sums)
+    g3, u3 = _preact_part(rows, live, n0 + 3 * PART_N, outs, layout=layout, PART_N=PART_N)
+    sums = _swiglu_backward_part(staging, 2, g2, u2, rows, live, owned, score, n0, outs, sums)
+    part, amax_a, amax_b = _swiglu_backward_part(staging, 3, g3, u3, rows, live, owned, score, n0, outs, sums)
     gl.store(outs.score_parts + rows.to(gl.int64) * (inter // BLOCK_N) + n0 // BLOCK_N, part, mask=live)
     if outs.scale_k > 0:
         gl.static_assert(outs.scale_k == BLOCK_N, "a tile is one scale block of da and one of db")
@@ -211,9 +246,8 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
         scale_b, multiplier_b = e4m3_scale(amax_b, outs.power_of_two)
         cols = n0 + gl.arange(0, PART_N, layout=gl.SliceLayout(0, layout))
         at = rows.to(gl.int64)[:, None] * (2 * inter) + cols[None, :]
-        for j in gl.static_range(SWIGLU_GRAD_PARTS):
-            _quantize_part(outs.dab, dab_q, at + j * PART_N, owned, multiplier_a)
-            _quantize_part(outs.dab, dab_q, at + inter + j * PART_N, owned, multiplier_b)
+        _quantize_scale_block(outs.dab, dab_q, at, owned, multiplier_a, PART_N=PART_N)
+        _quantize_scale_block(outs.dab, dab_q, at + inter, owned, multiplier_b, PART_N=PART_N)
         at_s = dab_scales + rows.to(gl.int64) * (2 * inter // BLOCK_N) + n0 // BLOCK_N
         gl.store(at_s, scale_a, mask=owned)
         gl.store(at_s + inter // BLOCK_N, scale_b, mask=owned)

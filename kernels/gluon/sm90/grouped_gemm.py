@@ -100,9 +100,9 @@ def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out, row_orig
 
 
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A TMA descriptor of ``block`` tiles of the 2-D tensor ``t`` (bf16 or e4m3), in the
-    shared-memory layout the MMAs read."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
+    """A TMA descriptor of ``block`` tiles of the 2-D tensor ``t`` (bf16 or e4m3 operands, or
+    an fp32 output), in the shared-memory layout the MMAs read."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, {**GL_DTYPES, torch.float32: gl.float32}[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
 

@@ -16,7 +16,13 @@ tiles are 128 columns wide and take one B.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from titan_megamoe.kernels.gluon.sm90.epilogue import (
     gate_up_pair_rows,
@@ -24,10 +30,11 @@ from titan_megamoe.kernels.gluon.sm90.epilogue import (
     row_origins,
     row_starts,
     store_layout,
-    store_rows,
     swiglu_backward_rows,
     thread_barrier,
 )
+
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 MMA_ROWS = gl.constexpr(64)
 """Rows of a tile per consumer warpgroup (one m64 wgmma)."""
@@ -298,16 +305,19 @@ def _token_block_mainloop(ring, step, acc, a_scales, b_scales, rows, cols, block
 
 
 @gluon.jit
-def token_block_mma_partition(ring, tiles, a_scale, b_scale, out, out2, spec, WARPGROUP: gl.constexpr):
+def token_block_mma_partition(ring, tiles, a_scale, b_scale, out_desc, out2_desc, staging, spec,
+                              WARPGROUP: gl.constexpr):
     """Consumer warpgroup ``WARPGROUP`` of a GEMM grouped along K (``TokenBlockTiles``): per
     tile, its 64 rows over the expert's token blocks, stored into the expert's output
-    (``out [experts, M, N]``, or split at ``spec.split_m`` into ``out`` and ``out2``). The
-    scales are block-major, ``[token blocks, M]`` and ``[token blocks, N]`` fp32, so a
-    block's scales of a tile are one contiguous run; a tile of an expert without token
-    blocks stores zeros. A tile's expert and token range load under the previous tile's
-    MMAs: with a few token blocks per tile their latency would otherwise stall every tile."""
+    (``out [experts * M, N]``, or split at ``spec.split_m`` into ``out`` and ``out2``, each
+    through its TMA descriptor) from ``staging`` (the warpgroup's ``[64, BLOCK_N]`` shared
+    memory in the output's dtype): the store runs while the next tile's MMAs do, and is
+    waited for only before the buffer is written again. The scales are block-major,
+    ``[token blocks, M]`` and ``[token blocks, N]`` fp32, so a block's scales of a tile are
+    one contiguous run; a tile of an expert without token blocks stores zeros. A tile's
+    expert and token range load under the previous tile's MMAs: with a few token blocks per
+    tile their latency would otherwise stall every tile."""
     layout: gl.constexpr = mma_layout(spec.block_n, ring.a.dtype.primitive_bitwidth)
-    out_layout: gl.constexpr = store_layout(spec.block_n, MMA_WARPS)
     rows = WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, spec.block_n, layout=gl.SliceLayout(0, layout))
     count = tiles.count(spec)
@@ -321,16 +331,18 @@ def token_block_mma_partition(ring, tiles, a_scale, b_scale, out, out2, spec, WA
             acc, step = _token_block_mainloop(ring, step, acc, a_scale + (first.to(gl.int64) * spec.m + m0),
                                               b_scale + (first.to(gl.int64) * spec.n + n0), rows, cols, blocks,
                                               spec, WARPGROUP=WARPGROUP)
-        out_rows = m0 + WARPGROUP * MMA_ROWS + gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, out_layout))
-        live = out_rows < spec.m
+        tma.store_wait(0)  # the previous tile's store has read the buffer (a no-op in other threads) ...
+        thread_barrier()  # ... before any thread writes it
+        staging.store(acc.to(staging.dtype))
+        fence_async_shared()
+        thread_barrier()
+        row = m0 + WARPGROUP * MMA_ROWS
         if spec.split_m > 0:
             if m0 >= spec.split_m:
-                dest = (expert.to(gl.int64) * (spec.m - spec.split_m) + out_rows - spec.split_m) * spec.n
-                store_rows(acc, acc, out2, dest, live, n0)
+                tma_store(out2_desc, [expert * (spec.m - spec.split_m) + row - spec.split_m, n0], staging)
             else:
-                dest = (expert.to(gl.int64) * spec.split_m + out_rows) * spec.n
-                store_rows(acc, acc, out, dest, live, n0)
+                tma_store(out_desc, [expert * spec.split_m + row, n0], staging)
         else:
-            dest = (expert.to(gl.int64) * spec.m + out_rows) * spec.n
-            store_rows(acc, acc, out, dest, live, n0)
+            tma_store(out_desc, [expert * spec.m + row, n0], staging)
         expert, m0, n0, first, blocks = following
+    tma.store_wait(0)

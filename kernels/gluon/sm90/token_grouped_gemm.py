@@ -8,7 +8,8 @@ contiguous). The partitions are ``grouped_gemm``'s, on another schedule
 (``schedule.TokenBlockTiles``): the load warp fills the stage ring with each tile's token
 blocks (``load.load_token_blocks``), two consumer warpgroups of 64 rows multiply them and
 promote each block's partial product by the outer product of its row and column scales
-(``mma.token_block_mma_partition``). Same ring protocol (``ring``).
+and store each tile through shared memory and TMA (``mma.token_block_mma_partition``).
+Same ring protocol (``ring``).
 """
 
 import torch
@@ -24,17 +25,17 @@ from titan_megamoe.kernels.gluon.sm90.spec import TokenGemmSpec
 from titan_megamoe.kernels.launch import launch
 
 TOKEN_GEMM_TILES = GemmTiles(block_n=128, block_k=FP8_BLOCK, stages=5)
-"""128 x 128 output tiles, one 128-token block per K step, 5 stages (160 KB): the column
-scales of a 128-wide tile take 32 registers a thread beside the accumulator and the
-partial product."""
+"""128 x 128 output tiles, one 128-token block per K step, 5 stages (160 KB, and 32 KB of
+bf16 output staging, 64 KB of fp32): the column scales of a 128-wide tile take 32
+registers a thread beside the accumulator and the partial product."""
 
 
 @gluon.jit(do_not_specialize=["experts"])
-def token_grouped_gemm_kernel(a_desc, b_desc, a_scale, b_scale, out, out2, block_start, experts,
+def token_grouped_gemm_kernel(a_desc, b_desc, a_scale, b_scale, out_desc, out2_desc, block_start, experts,
                               M: gl.constexpr, N: gl.constexpr, SPLIT_M: gl.constexpr, STAGES: gl.constexpr,
                               MMA_WARPGROUPS: gl.constexpr):
     """Persistent: one program per SM, the load partition and two consumer warpgroups over
-    the same tiles."""
+    the same tiles, each consumer with its own output staging buffer."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -43,9 +44,10 @@ def token_grouped_gemm_kernel(a_desc, b_desc, a_scale, b_scale, out, out2, block
     spec = TokenGemmSpec(M, N, SPLIT_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPGROUPS)
     ring = StageRing.allocate(a_desc, b_desc, b_desc, spec)
     tiles = TokenBlockTiles(block_start, experts)
+    staging = gl.allocate_shared_memory(out_desc.dtype, [MMA_WARPGROUPS] + out_desc.block_type.shape, out_desc.layout)
     gl.warp_specialize([
-        (token_block_mma_partition, (ring, tiles, a_scale, b_scale, out, out2, spec, 0)),
-        (token_block_mma_partition, (ring, tiles, a_scale, b_scale, out, out2, spec, 1)),
+        (token_block_mma_partition, (ring, tiles, a_scale, b_scale, out_desc, out2_desc, staging.index(0), spec, 0)),
+        (token_block_mma_partition, (ring, tiles, a_scale, b_scale, out_desc, out2_desc, staging.index(1), spec, 1)),
         (load_token_blocks, (a_desc, b_desc, ring, tiles, spec)),
     ], [MMA_WARPS, LOAD_WARPS], [MMA_REGISTERS, LOAD_REGISTERS])
 
@@ -57,8 +59,8 @@ def token_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, 
 
     ``a [M, tokens]``, ``b [N, tokens]`` e4m3 and their scales ``[tokens / 128, M | N]``
     fp32 (block-major); ``block_start [experts + 1]`` int32, each expert's first 128-token block (tokens
-    past an expert's rows must hold zeros); ``outs``: one ``[experts, M, N]``, or two
-    ``[experts, M / 2, N]`` that take the first and second half of the rows. Raises naming
+    past an expert's rows must hold zeros); ``outs`` (bf16 or fp32): one ``[experts, M, N]``,
+    or two ``[experts, M / 2, N]`` that take the first and second half of the rows. Raises naming
     what does not fit the kernel."""
     fp8 = torch.float8_e4m3fn
     if a.dtype != fp8 or b.dtype != fp8 or a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
@@ -78,6 +80,8 @@ def token_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, 
     if block_start.dtype != torch.int32 or block_start.dim() != 1:
         raise ValueError(f"block_start must be a 1-D int32 tensor; got {block_start.dtype} of {block_start.dim()} dims")
     experts = block_start.numel() - 1
+    if any(o.dtype not in (torch.bfloat16, torch.float32) for o in outs):
+        raise ValueError(f"token_grouped_gemm stores bf16 or fp32; got outs of {[o.dtype for o in outs]}")
     if (tiles.block_n, tiles.block_k, tiles.mma_warpgroups) != (128, FP8_BLOCK, 2):
         raise ValueError(f"token_grouped_gemm takes 128 x 128 tiles of two consumer warpgroups, one {FP8_BLOCK}-token "
                          f"block per K step; got block_n {tiles.block_n}, block_k {tiles.block_k}, "
@@ -91,9 +95,10 @@ def token_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, 
                          f"{tiles.block_n}")
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count
+    out_descs = [tma_descriptor(o.view(-1, n), [int(MMA_ROWS), tiles.block_n]) for o in outs]
     launch(token_grouped_gemm_kernel, (programs,),
         tma_descriptor(a, [tiles.block_m, tiles.block_k]), tma_descriptor(b, [tiles.block_n, tiles.block_k]),
-        a_scale, b_scale, outs[0], outs[-1] if len(outs) == 2 else None, block_start, experts,
+        a_scale, b_scale, out_descs[0], out_descs[-1], block_start, experts,
         M=m, N=n, SPLIT_M=rows if len(outs) == 2 else 0, STAGES=tiles.stages, MMA_WARPGROUPS=tiles.mma_warpgroups,
         num_warps=int(MMA_WARPS),
     )
