@@ -7,10 +7,10 @@ Every test of ``tests/gpu`` belongs to exactly one group (``GROUPS``: a test mod
 one of its test functions; a module's functions that no group names go to the group that
 names the module). Each group is one pytest process under ``--timeout`` seconds; up to
 ``--side-by-side`` of them share the GPU at once (three have run side by side on one 80 GB
-GPU; more is not measured). Writes each group's log (``DIR/<group>.log``) and ``DIR/gpu_tests.json``, prints
-a table (group, seconds, passed / failed / skipped, whether the limit stopped it) and
-exits non-zero if a group failed or was stopped. ``--list`` prints each group's pytest
-arguments and runs nothing.
+GPU; more is not measured). Writes each group's log (``DIR/<group>.log``) and
+``DIR/gpu_tests.json``, prints a table (group, seconds, passed / failed / skipped, whether
+the limit stopped it) and exits non-zero if a group failed or was stopped. ``--list``
+prints each group's pytest arguments and runs nothing.
 
 The test times the groups follow are in docs/perf.md (v47, v49, v50): on one H100 the
 largest group, fused_rest, took about 430 s.

@@ -224,7 +224,8 @@ def run_gluon(precision_name: str, shape: str, records: list[dict]) -> list[dict
         for out_dtype, name in ((torch.bfloat16, "gluon wgrad"), (torch.float32, "gluon wgrad fp32")):
             records.clear()  # fp32: the weight gradients of float32 activations
             token_grouped_gemm(torch.zeros(2 * layer.inter, tokens, dtype=dtype),
-                               torch.ones(tokens // 128, 2 * layer.inter), torch.zeros(layer.hidden, tokens, dtype=dtype),
+                               torch.ones(tokens // 128, 2 * layer.inter),
+                               torch.zeros(layer.hidden, tokens, dtype=dtype),
                                torch.ones(tokens // 128, layer.hidden), block_start,
                                tuple(torch.empty(local, layer.inter, layer.hidden, dtype=out_dtype) for _ in range(2)),
                                programs=PROGRAMS)

@@ -211,8 +211,8 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
     ``rows0`` of a tile (``acc = dy W2`` over its ``BLOCK_N`` columns from ``n0``; rows from
     ``row_end`` on belong to the next expert or its padding): ``acc`` goes through
     ``staging`` (the warpgroup's ``[64, BLOCK_N]`` fp32 shared memory) so that each of
-    ``SWIGLU_GRAD_PARTS`` column parts is formed with one part's temporaries live (every
-    part's saved pre-activations loaded first, together); with
+    ``SWIGLU_GRAD_PARTS`` column parts is formed with one part's temporaries live (its
+    saved pre-activations loaded two parts ahead); with
     ``scale_k`` the tile is one scale block of ``da`` and one of ``db``, quantized once every
     part is stored into ``dab_q`` (e4m3) and ``dab_scales [rows, 2I / scale_k]``."""
     BLOCK_N: gl.constexpr = acc.shape[1]
@@ -228,8 +228,9 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
         score = gl.load(outs.score + rows, mask=live, other=0.0)
     staging.store(acc)
     thread_barrier()
-    # Each part's g and u are loaded two parts ahead of their use (32 registers): loaded
-    # just before it, each part waited for its loads alone, behind the last part's stores.
+    # Each part's g and u are loaded two parts ahead (32 registers): loaded just before
+    # it, each part waited for its loads alone, behind the last part's stores. The
+    # compiler still moves the first use of g up to its load (docs/perf.md v51).
     gl.static_assert(SWIGLU_GRAD_PARTS == 4, "the pre-activations load in four named parts")
     g0, u0 = _preact_part(rows, live, n0, outs, layout=layout, PART_N=PART_N)
     g1, u1 = _preact_part(rows, live, n0 + PART_N, outs, layout=layout, PART_N=PART_N)
