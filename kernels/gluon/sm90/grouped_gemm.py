@@ -99,10 +99,14 @@ def grouped_gemm_kernel(a_desc, b_desc, b2_desc, a_scale, b_scale, out, row_orig
         ], [LOAD_WARPS], [LOAD_REGISTERS])
 
 
+DESCRIPTOR_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
+"""What a TMA descriptor may move: the operands, and fp32 outputs."""
+
+
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``block`` tiles of the 2-D tensor ``t`` (bf16 or e4m3 operands, or
     an fp32 output), in the shared-memory layout the MMAs read."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, {**GL_DTYPES, torch.float32: gl.float32}[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(block, DESCRIPTOR_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
