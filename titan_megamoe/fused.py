@@ -344,7 +344,7 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routi
     (``retain_graph``) recomputes GEMM1 instead. The kernels compute the weight gradients
     in the activations' dtype: float32 weights get them cast, as their own copies' would be."""
     plan = _plan(x, topk_idx, w1, group, settings)
-    dx, d_topk_w, dw1, dw2, dw3 = fused_backward(
+    dx, d_topk_w, *weight_grads = fused_backward(
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 and not preact_released(saved) else None,
         routing,
@@ -356,4 +356,8 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routi
         plan.num_programs,
         settings.timeout_s,
     )
-    return dx, d_topk_w, *(dw.to(w.dtype) for dw, w in ((dw1, w1), (dw2, w2), (dw3, w3)))
+    # One weight at a time: each bf16 gradient is freed as its float32 copy lands, so
+    # float32 experts never hold all three gradients in both dtypes at once.
+    for i, w in enumerate((w1, w2, w3)):
+        weight_grads[i] = weight_grads[i].to(w.dtype)
+    return dx, d_topk_w, *weight_grads
