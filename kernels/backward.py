@@ -1,56 +1,56 @@
 """Host side of the fused backward: the buffers it adds to the forward's and its launches.
 
-One call (all on the current stream; the host waits for the device only as step 1 says):
+One call, all on the current stream, with no wait for the device (``sync``): the weights
+as the backward's GEMMs read them (transposed, quantized), then ``buffers.rounds`` rounds
+of the forward's routing (its rows' send order, ``forward.sort_rows``: the same windows
+of the same receive layout), each:
 
-1. ``layout``: the layout kernel runs again on the forward's routing (its rows' send
-   order, ``forward.sort_rows``): the same receive layout, and a new epoch whose count
-   exchange is the call's start barrier (``sync``). A rank whose
-   receive buffer still holds this forward's expert inputs (the forward was the last
-   call on these buffers, as under full activation checkpointing, where the layer's
-   forward is recomputed right before its backward) asks for the gradient rows alone.
-   What the backward allocates per received row holds the rows that forward received
-   (``rows_to_hold``), which its layout kernel wrote into host memory: the host reads
-   them there, and waits only if the device has not yet run that kernel.
+1. ``layout``: the round's receive layout, and a new epoch whose count exchange is the
+   round's start barrier. A rank whose receive buffer still holds this forward's expert
+   inputs (the forward was the last call on these buffers, as under full activation
+   checkpointing, where the layer's forward is recomputed right before its backward, and
+   all of its rows came in round 0) asks for the gradient rows alone in round 0.
 2. ``dispatch_grad_gemm1_kernel``: expert inputs, ``dy`` rows and scores to the owners;
-   GEMM1 recomputed (or read back from the forward's ``preact``), ``dy W2``, SwiGLU
-   backward -> ``dab = [da | db]``, ``h_wgrad`` and the score-gradient parts. Where the
-   tile row says so (``grad1_kernel``) and GEMM1 was saved, it only dispatches, and the
-   Gluon core (``swiglu_grad_gemm``) computes the saved rows' tiles as they arrive.
+   GEMM1 recomputed (or read back from the forward's ``preact``, saved by row of the full
+   layout), ``dy W2``, SwiGLU backward -> ``dab = [da | db]``, ``h_wgrad`` and the
+   score-gradient parts. Where the tile row says so (``grad1_kernel``) and the round's
+   rows were saved, it only dispatches, and the Gluon core (``swiglu_grad_gemm``)
+   computes the saved rows' tiles as they arrive; the rows past the saved ones (the device
+   knows whether there are any) recompute GEMM1 in a launch of their own.
 3. The dgrad rows GEMM (``forward.rows_gemm_combine``: ``rows_gemm_combine_kernel``, or
    the Gluon core and ``combine_release_kernel``): ``dab [W1 | W3]`` pushed to the source
    ranks' combine buffers, the score gradients to their ``score_grad``; COMBINE_READY.
-4. The weight gradients, grouped over local experts with ``torch._grouped_mm`` on whole
-   alignments (offsets are each expert's aligned end, read on the device):
-   ``dW1 = da^T x``, ``dW3 = db^T x``, then (``dab`` freed) ``dW2 = dy^T h_wgrad``. They
-   run while the peers may still be pushing this rank's rows.
-5. ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
-   the score gradient when the score scaled the expert input).
+4. The weight gradients of the round's rows: round 0 writes them, grouped over local
+   experts on whole alignments (below); a later round, which only a routing that overflows
+   one window brings, adds its rows' share (``accumulate_wgrad``, exiting at once where the
+   round has no rows). They run while the peers may still be pushing this rank's rows.
 
-Quantized: ``x`` and ``dy`` are quantized once per token before the first kernel, the
-weights and their transposes (each in its own orientation) on every call for now, the
-dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run quantized on
-token-major copies of their operands quantized along the rows, as the spec says
-(``kernels.wgrad``), instead of torch's grouped GEMM; where the experts are deep enough
-(``TileConfig.wgrad_library_macs``), torch's blockwise-scaled matmul runs each expert's
-product on the same copies instead of ``wgrad_kernel``; or, MX on GPUs without an MX MMA
-(``mx_wgrad_dequantized``), torch's grouped GEMM on copies in the receive layout quantized
-along the rows and dequantized (the same values). Native weight gradients after a
-quantized forward take torch's grouped GEMM on the rows as they crossed: unquantized
-(``mxfp8_wgrad_bf16``: ``x`` and ``dy`` are sent as they are and GEMM1 and ``dy W2``
-quantize them as they read them), or quantized and dequantized for it
-(``fp8_wgrad_bf16``). MX held in bf16 (``TileConfig.mx_in_bf16``) runs the unquantized
-path above on operands rounded to MX where they are made (``dy`` at its source, ``[da |
-db]`` in the first kernel's epilogue beside its unrounded copy, the transposed weights as
-they are transposed); rows that cross unrounded for native weight gradients are rounded as
-the GEMMs read them.
+and then ``combine_reduce_kernel``: ``dx`` summed over k in slot order (and ``<row, x>`` for
+the score gradient when the score scaled the expert input; else the score gradients the
+owners pushed back).
+
+Round 0's weight gradients: unquantized, ``torch._grouped_mm`` (offsets are each expert's
+aligned end, read on the device): ``dW1 = da^T x``, ``dW3 = db^T x``, then (``dab`` freed)
+``dW2 = dy^T h_wgrad``. Quantized: ``x`` and ``dy`` are quantized once per token before
+the first kernel, the weights and their transposes (each in its own orientation) on every
+call for now, the dgrad GEMM reads ``[da | db]`` quantized, and the weight gradients run
+quantized on token-major copies of their operands quantized along the rows, as the spec
+says (``kernels.wgrad``); or, MX on GPUs without an MX MMA (``mx_wgrad_dequantized``),
+torch's grouped GEMM on copies in the receive layout quantized along the rows and
+dequantized (the same values). Native weight gradients after a quantized forward take
+torch's grouped GEMM on the rows as they crossed: unquantized (``mxfp8_wgrad_bf16``: ``x``
+and ``dy`` are sent as they are and GEMM1 and ``dy W2`` quantize them as they read them),
+or quantized and dequantized for it (``fp8_wgrad_bf16``). MX held in bf16
+(``TileConfig.mx_in_bf16``) runs the unquantized path above on operands rounded to MX
+where they are made (``dy`` at its source, ``[da | db]`` in the first kernel's epilogue
+beside its unrounded copy, the transposed weights as they are transposed); rows that
+cross unrounded for native weight gradients are rounded as the GEMMs read them.
 """
 
 import functools
-import logging
+from dataclasses import dataclass
 
 import torch
-import triton
-from torch.nn.functional import ScalingType, scaled_mm
 
 from titan_megamoe.kernels.backward_dispatch_gemm1 import (
     ALL_TILES,
@@ -59,11 +59,10 @@ from titan_megamoe.kernels.backward_dispatch_gemm1 import (
     SAVED_TILES,
     dispatch_grad_gemm1_kernel,
 )
+from titan_megamoe.kernels.buffers import ForwardBuffers, SymmetricAllocator, row_buffer
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig
 from titan_megamoe.kernels.forward import (
     TRITON_DTYPES,
-    ForwardBuffers,
-    SymmetricAllocator,
     after_launches,
     check_call,
     chunk_flags,
@@ -74,25 +73,22 @@ from titan_megamoe.kernels.forward import (
     pad,
     reduce,
     routing_numel,
-    row_buffer,
     rows_gemm_combine,
+    saved_rows_of_round,
     say_once,
-    split_routing,
     weight_scale_rows,
     weights_in_bf16,
 )
 from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
 from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SWIGLU_GRAD_BLOCK_N, SwigluGradTensors, swiglu_grad_gemm
 from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
-from titan_megamoe.kernels.launch import fork_stream, join_stream, launch
+from titan_megamoe.kernels.launch import cdiv, fork_stream, join_stream, launch
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
-from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, RECEIVED_SLOTS, RECOMPUTE_NEXT_TILE
+from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, PAST_SAVED, RECOMPUTE_NEXT_TILE
 from titan_megamoe.kernels.transpose import quantize_transposed, transposed_side_by_side
-from titan_megamoe.kernels.wgrad import dequantized_rows_kernel, token_major_kernel, wgrad_kernel
+from titan_megamoe.kernels.wgrad import accumulate_wgrad, dequantized_rows_kernel, token_major_kernel, wgrad_kernel
 from titan_megamoe.precision import Format, Precision
-
-logger = logging.getLogger(__name__)
 
 
 class GradBuffers:
@@ -137,13 +133,16 @@ class GradBuffers:
         forward.on_grow(self._allocate_rows)
         self.score_grad, self.score_grad_ptrs = symmetric((shape.rows_per_rank,), torch.float32)
 
-    def _allocate_rows(self, rows: int) -> None:
+    def _allocate_rows(self, rows: int) -> tuple:
         """(Re)allocate the receive buffers of the ``dy`` rows and the scores, ``rows`` each,
-        collectively, as the forward's grow (``ForwardBuffers.on_grow``)."""
-        self.recv_grad = self.recv_grad_scales = self.recv_score = None
+        collectively, as the forward's grow (``ForwardBuffers.on_grow``); returns the old
+        ones, which kernels in flight may still read."""
+        old = tuple(getattr(self, name, None) for name in ("recv_grad", "recv_grad_scales", "recv_grad_ptrs",
+                                                           "recv_score", "recv_score_ptrs"))
         self.recv_grad, self.recv_grad_scales, self.recv_grad_ptrs, _ = row_buffer(
             self._symmetric, rows, self._hidden, self._dtype, self.dy_link.row_scale_k)
         self.recv_score, self.recv_score_ptrs = self._symmetric((rows,), torch.float32)
+        return old
 
     def reads_w13_as_stored(self, num_tokens: int, top_k: int) -> bool:
         """Whether a call of ``num_tokens`` tokens has the dgrad GEMM read W1 and W3 as stored
@@ -160,7 +159,7 @@ class GradBuffers:
 def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     """Most bytes a backward call takes from the caching allocator at once besides its
     outputs, where the routing brings every row it can (a call holds its rows' share of
-    what is sized per received row, ``rows_to_hold``): ``dab`` and the score-gradient parts
+    what is sized per received row, a window's): ``dab`` and the score-gradient parts
     throughout; up to the dgrad GEMM the
     transposed weights (those the GEMMs do not read as stored: ``w2_as_stored``,
     ``w13_as_stored_rows``), in e4m3 where the backward is quantized, with the e4m3 copies
@@ -171,7 +170,7 @@ def per_call_bytes(forward: ForwardBuffers, grad: GradBuffers) -> int:
     shape, tiles = forward.shape, grad.tiles
     rows = forward.recv.shape[0]
     hidden, inter, itemsize = shape.hidden, shape.inter, shape.dtype.itemsize
-    parts = triton.cdiv(inter, min(tiles.grad1_n, tiles.grad1_saved_n))  # the narrower launch's
+    parts = cdiv(inter, min(tiles.grad1_n, tiles.grad1_saved_n))  # the narrower launch's
     weights = 3 * shape.local_experts * inter * hidden
     # W1 and W3 transposed unless every call (up to the capacity) reads them as stored.
     w13_copied = not grad.reads_w13_as_stored(shape.capacity_tokens_per_rank, shape.top_k)
@@ -219,9 +218,9 @@ def _token_major_length(shape, tiles: TileConfig, fmt: Format, received: int) ->
     (``_token_span``), rounded up to a step of ``TOKEN_MAJOR_STEPS_PER_MEAN``, at most
     what any routing brings."""
     span = _token_span(tiles, fmt)
-    step = max(1, triton.cdiv(shape.rows_per_rank, TOKEN_MAJOR_STEPS_PER_MEAN * span))
-    spans = min(triton.cdiv(triton.cdiv(received, span), step) * step,
-                triton.cdiv(shape.ep * shape.rows_per_rank, span))
+    step = max(1, cdiv(shape.rows_per_rank, TOKEN_MAJOR_STEPS_PER_MEAN * span))
+    spans = min(cdiv(cdiv(received, span), step) * step,
+                cdiv(shape.ep * shape.rows_per_rank, span))
     return span * (spans + shape.local_experts)
 
 
@@ -239,7 +238,7 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
     scales = torch.empty(scale_shape, dtype=torch.float32, device=t.device)
     shape = buffers.shape
     block_c = tiles.token_major_row_bytes // t.element_size()
-    launch(token_major_kernel, (triton.cdiv(cols, block_c) * (kt // token_block),),
+    launch(token_major_kernel, (cdiv(cols, block_c) * (kt // token_block),),
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=t.shape[1], COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=block_c,
@@ -276,7 +275,7 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
     shape = buffers.shape
     out = torch.empty(rows.shape, dtype=shape.dtype, device=rows.device)
     block_r = mx_token_block or min(DEQUANTIZE_ROWS, buffers.tiles.row_align)
-    grid = (triton.cdiv(rows.shape[0], block_r), triton.cdiv(rows.shape[1], DEQUANTIZE_COLS))
+    grid = (cdiv(rows.shape[0], block_r), cdiv(rows.shape[1], DEQUANTIZE_COLS))
     launch(dequantized_rows_kernel, grid,
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
         COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0, LOCAL_PAD=pad(shape.local_experts),
@@ -299,7 +298,7 @@ def _quantized_wgrad(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, bl
     (a_cols, kt), b_cols = at.shape, bt.shape[0]
     # One expert's tiles after another (the grid's first axis varies fastest): the tiles
     # running together then share their expert's operands in L2.
-    grid = (triton.cdiv(b_cols, tiles.wgrad_n), triton.cdiv(a_cols, tiles.wgrad_m), shape.local_experts)
+    grid = (cdiv(b_cols, tiles.wgrad_n), cdiv(a_cols, tiles.wgrad_m), shape.local_experts)
     launch(wgrad_kernel, grid,
         at, at_scales, bt, bt_scales, outs[0], outs[-1], block_start,
         M=a_cols, N=b_cols, SPLIT_M=a_cols // 2 if len(outs) == 2 else 0, KT=kt, TOKEN_BLOCK=token_block,
@@ -343,75 +342,6 @@ def runs_gluon_grad1(tiles: TileConfig, fmt: Format, dtype: torch.dtype, hidden:
     return False
 
 
-def runs_library_wgrad(tiles: TileConfig, per_expert: tuple[int, ...] | None, a_cols: int, b_cols: int) -> bool:
-    """Whether the quantized weight gradient ``A_e^T B_e`` (``a_cols`` x ``b_cols`` per
-    expert) runs ``_library_wgrad``: the tile row's ``wgrad_library_macs`` reached by the
-    mean expert's multiply-adds, and each expert's rows known (``rows_to_hold``)."""
-    if not tiles.wgrad_library_macs or per_expert is None:
-        return False
-    return sum(per_expert) * a_cols * b_cols >= tiles.wgrad_library_macs * len(per_expert)
-
-
-def _library_wgrad(tiles: TileConfig, fmt: Format, per_expert: tuple[int, ...],
-                   a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
-                   outs: tuple[torch.Tensor, ...], block_major: bool) -> None:
-    """``_quantized_wgrad``'s products through torch's blockwise-scaled matmul
-    (``torch.nn.functional.scaled_mm``, 1 x 128 blocks on both operands; on Hopper a
-    cuBLASLt fp8 GEMM, ``TileConfig.wgrad_library_macs``), one launch per local expert
-    over its token range of the token-major copies (each expert's rows padded to whole
-    spans, as ``_token_block_starts`` lays them out; the host knows them from the
-    forward's record); experts without rows get zeros."""
-    token_block, span = fmt.activation_block[1], _token_span(tiles, fmt)
-    if token_block != 128 or fmt.scaled_mma:
-        raise ValueError(f"torch's blockwise-scaled matmul takes blockwise fp8 (1 x 128 blocks, fp32 scales); "
-                         f"format {fmt.name} has 1 x {token_block} blocks{' for an MX MMA' if fmt.scaled_mma else ''}")
-    (at, at_scales), (bt, bt_scales) = a, b
-    # scaled_mm takes the scales outer-dimension major: [K blocks, columns] (``block_major``).
-    if not block_major:
-        at_scales, bt_scales = at_scales.t().contiguous(), bt_scales.t().contiguous()
-    split = outs[0].shape[1] if len(outs) == 2 else 0
-    k0 = 0
-    for e, rows in enumerate(per_expert):
-        k1 = k0 + triton.cdiv(rows, span) * span
-        if k1 == k0:
-            for out in outs:
-                out[e].zero_()
-            continue
-        blocks = slice(k0 // token_block, k1 // token_block)
-        product = scaled_mm(at[:, k0:k1], bt[:, k0:k1].t(), at_scales[blocks].t(), ScalingType.BlockWise1x128,
-                            bt_scales[blocks].t(), ScalingType.BlockWise1x128, output_dtype=outs[0].dtype)
-        if split:
-            outs[0][e].copy_(product[:split])
-            outs[1][e].copy_(product[split:])
-        else:
-            outs[0][e].copy_(product)
-        k0 = k1
-
-
-def rows_to_hold(buffers: ForwardBuffers, forward_call: int,
-                 timeout_s: float) -> tuple[int, int, tuple[int, ...] | None]:
-    """``(received, hold, per_expert)``: the rows this rank received in ``forward_call``
-    (each local expert's aligned; the backward routes the same rows), how many rows a
-    buffer indexed by receive row must hold for them (a tile's rows past the last
-    expert's, ``layout``, at most the receive buffer's), and each local expert's rows. A
-    forward whose record was overwritten (``ForwardBuffers.received_rows``) gives the
-    receive buffer's rows (buffers only grow: at least that forward's) and no expert's,
-    said once in the log. A bad expert id in a forward that left its record to its
-    backward raises here, on every rank (``ForwardBuffers.check_record``)."""
-    most = buffers.recv.shape[0]
-    received = buffers.check_record(forward_call, timeout_s, "its backward")
-    if received is None:
-        if not buffers.warned_unsized:
-            buffers.warned_unsized = True
-            logger.warning(
-                f"mega_moe fused backward: the record of forward call {forward_call} was overwritten by calls made "
-                f"since ({RECEIVED_SLOTS.value} or more); its backward holds {most} rows per row buffer, the "
-                "receive buffers' rows, and its quantized weight gradients run wgrad_kernel"
-            )
-        return most - buffers.tiles.block_m, most, None
-    return received.total, min(received.total + buffers.tiles.block_m, most), received.per_expert
-
-
 def release_preact(preact: torch.Tensor) -> None:
     """Hand the saved pre-activations' memory back to the caching allocator once the
     launches that read them are queued (stream order keeps it theirs until they have run),
@@ -422,6 +352,8 @@ def release_preact(preact: torch.Tensor) -> None:
     storage = preact.untyped_storage()
     if preact.storage_offset() or storage.nbytes() != preact.numel() * preact.element_size():
         return
+    if preact.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph's memory is its pool's
+        return
     if preact.is_cuda:  # the launches above may run on another stream than the allocation's
         preact.record_stream(torch.cuda.current_stream(preact.device))
     storage.resize_(0)
@@ -430,6 +362,37 @@ def release_preact(preact: torch.Tensor) -> None:
 def preact_released(preact: torch.Tensor) -> bool:
     """Whether an earlier backward released these pre-activations (``release_preact``)."""
     return preact.numel() > 0 and preact.untyped_storage().nbytes() == 0
+
+
+@dataclass
+class _Operands:
+    """What every round of one backward multiplies: the rows it sends, and the weights as
+    its GEMMs read them."""
+
+    sent: torch.Tensor
+    """The expert inputs as they cross (``x``, or e4m3 with ``x_scales``)."""
+    x_scales: torch.Tensor | None
+    dy_sent: torch.Tensor
+    dy_scales: torch.Tensor | None
+    w1: torch.Tensor
+    """W1 and W3 as a recomputed GEMM1 reads them (quantized in the forward's format)."""
+    w1_scales: torch.Tensor | None
+    w3: torch.Tensor
+    w3_scales: torch.Tensor | None
+    w2_operand: torch.Tensor
+    """W2 as ``dy W2`` reads it: transposed, or as stored."""
+    w2_operand_scales: torch.Tensor | None
+    w13t: torch.Tensor
+    """``[W1 | W3]`` transposed as the dgrad GEMM reads it, or W1 as stored beside ``w3_stored``."""
+    w13t_scales: torch.Tensor | None
+    w3_stored: torch.Tensor | None
+    recv_rows: torch.Tensor
+    """The receive buffer's view of the expert inputs (native where they cross unquantized
+    for quantize-on-read weight gradients)."""
+    recv_row_scales: torch.Tensor | None
+    recomputes: bool
+    """Whether any row may lie past the saved pre-activations (GEMM1 then recomputed for it,
+    on ``w1``, ``w3`` as above)."""
 
 
 def fused_backward(
@@ -442,7 +405,6 @@ def fused_backward(
     w3: torch.Tensor,
     preact: torch.Tensor | None,
     routing: torch.Tensor,
-    forward_call: int,
     buffers: ForwardBuffers,
     grad: GradBuffers,
     score_before_experts: bool,
@@ -451,50 +413,70 @@ def fused_backward(
     timeout_s: float,
 ) -> tuple[torch.Tensor, ...]:
     """``(dx, d_topk_w, dw1, dw2, dw3)``, see ``reference.moe_backward``. ``preact``: the
-    forward's saved pre-activations of the receive buffer's first rows (``preact_shape``),
-    or None to recompute GEMM1 (for the rows past them too); they are consumed: their
-    memory is released once read (``release_preact``). ``routing`` and ``forward_call``:
-    the forward's (``forward.fused_forward``); the rows that forward received size what
-    the backward allocates per received row (``rows_to_hold``)."""
-    shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
+    forward's saved pre-activations of the first rows of the call's full receive layout
+    (``preact_shape``), or None to recompute GEMM1 (for the rows past them too); they are
+    consumed: their memory is released once read (``release_preact``). ``routing``: the
+    forward's (``forward.fused_forward``). The host waits for nothing (module docstring)."""
+    shape = buffers.shape
     num_tokens, top_k = topk_idx.shape
     check_call(num_tokens, buffers, comm_programs, num_programs, "backward")
     expected = routing_numel(shape, num_tokens, top_k)
     if routing.dtype != torch.int32 or routing.shape != (expected,):
         raise ValueError(f"the forward's routing is {routing.dtype} of shape {tuple(routing.shape)}; expected "
                          f"int32 of shape ({expected},) for {num_tokens} tokens x top-{top_k} (sort_rows)")
-    # Saved rows past the receive buffer's (``receive_load`` below ``save_gemm1_load``)
-    # belong to no tile: every tile is then saved.
-    rows = shape.most_receive_rows(buffers.tiles)
-    saved_rows = 0 if preact is None else preact.shape[0]
-    if preact is not None and (preact.shape[1] != 2 * shape.inter or saved_rows > rows):
+    most = shape.most_receive_rows(buffers.tiles)
+    if preact is not None and (preact.shape[1] != 2 * shape.inter or preact.shape[0] > most):
         raise ValueError(
-            f"saved pre-activations have shape {tuple(preact.shape)}; expected [at most {rows}, "
+            f"saved pre-activations have shape {tuple(preact.shape)}; expected [at most {most}, "
             f"{2 * shape.inter}] (preact_shape)"
         )
-    ep_pad, local_pad = pad(shape.ep), pad(shape.local_experts)
+    window, rounds = buffers.window, buffers.rounds
+    saved_rows = 0 if preact is None else preact.shape[0]
+    tokens_per_expert = torch.empty(shape.local_experts, dtype=torch.int64, device=x.device)
     # Native weight gradients after a quantized forward: x and dy cross unquantized (the
     # expert inputs again, into the receive buffer's native view) and the scaled GEMMs
     # quantize them as they read them.
     quantize_on_read = shape.native_resend
-    recv_rows, recv_row_scales = ((buffers.recv_native, None) if quantize_on_read
-                                  else (buffers.recv, buffers.recv_scales))
     inputs = (buffers.calls, inputs_key(x, topk_idx, topk_w, w1, w3, score_before_experts))
     resident = not quantize_on_read and buffers.resident == inputs
-    layout(topk_idx, routing, buffers, timeout_s, needs_input=not resident)
-    order, send_start = split_routing(routing, num_tokens * top_k)
+    layout(topk_idx, routing, buffers, timeout_s, 0, rounds, tokens_per_expert, needs_input=not resident,
+           saved_rows=saved_rows)
+    # Launched after the first layout, which tells the device whether GEMM1 is recomputed.
+    ops = _operands(dy, x, topk_idx, w1, w2, w3, buffers, grad, score_before_experts,
+                    recomputes=preact is None or saved_rows < most - buffers.tiles.block_m)
+    # The last round that reads the saved rows (their memory goes back after it).
+    last_saved_round = min(rounds, -(-saved_rows // window)) - 1
+    weight_grads = None
+    for round_index in range(rounds):
+        if round_index:
+            layout(topk_idx, routing, buffers, timeout_s, round_index, rounds, tokens_per_expert,
+                   saved_rows=saved_rows)
+        saved = saved_rows_of_round(preact, round_index, window)
+        weight_grads = _backward_round(
+            ops, x, topk_w, routing[: num_tokens * top_k], top_k, saved if saved is not None and saved.shape[0] else None,
+            buffers, grad, score_before_experts, comm_programs, num_programs, weight_grads,
+            release=preact if round_index == last_saved_round else None)
 
-    block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if preact is None
-                       else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
-    parts = triton.cdiv(shape.inter, block_n)
-    # GEMM1 is recomputed in the forward's format; dy W2 and the dgrad GEMM run in the
-    # backward's, the weight gradients in theirs.
+    dx = torch.empty_like(x)
+    d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    reduce(buffers, topk_w, x, dx, num_tokens, top_k, num_programs, scale_by_score=score_before_experts,
+           score_out=d_topk_w, score_src=None if score_before_experts else grad.score_grad)
+    after_launches(buffers)
+    return dx, d_topk_w, *weight_grads
+
+
+def _operands(dy, x, topk_idx, w1, w2, w3, buffers: ForwardBuffers, grad: GradBuffers, score_before_experts: bool,
+              recomputes: bool) -> _Operands:
+    """The backward's operands (``_Operands``), made once per call. ``recomputes``: a round
+    may recompute GEMM1 (its quantized weights are then made, gated on the device by
+    ``PAST_SAVED`` where the saved rows may cover every row)."""
+    shape, tiles = buffers.shape, grad.tiles
+    num_tokens, top_k = topk_idx.shape
     x_fmt, fmt = buffers.row_format, grad.grad_format
-    scale_k = fmt.row_scale_k
-    # The backward's first kernel takes one weight block and rounding rule: the backward's,
-    # or the forward's where only GEMM1 is quantized (never both: ``fused_support``).
-    w_fmt = fmt if fmt.quantized else x_fmt
-    w1_scales = w3_scales = x_scales = dy_scales = dab_q = dab_scales = w3_stored = None
+    quantize_on_read = shape.native_resend
+    recv_rows, recv_row_scales = ((buffers.recv_native, None) if quantize_on_read
+                                  else (buffers.recv, buffers.recv_scales))
+    w1_scales = w3_scales = x_scales = dy_scales = w3_stored = None
     sent, dy_sent = x, dy
     # K-major copies of the weights as the backward's GEMMs read them (W2 as stored where
     # the row says so).
@@ -511,43 +493,66 @@ def fused_backward(
         stored = grad.reads_w13_as_stored(num_tokens, top_k) and (w3.data_ptr() - w1.data_ptr()) % 16 == 0
         w13t, w3_stored = ((w1, w3) if stored
                            else (transposed_side_by_side([w1, w3], tiles.transpose_block), None))
-    # Launched above: what does not depend on the rows received. The forward's record of
-    # them has usually long been written; the buffers below hold one row per received row.
-    received, hold, per_expert = rows_to_hold(buffers, forward_call, timeout_s)
-    # Rows past the saved ones (when the routing brought them) recompute GEMM1.
-    recompute_past_saved = preact is not None and saved_rows < received
+    # GEMM1's quantized operands where it is recomputed: where the saved rows may cover
+    # every row the device says whether any lies past them.
+    if x_fmt.quantized and recomputes:
+        gate = buffers.state[PAST_SAVED.value:PAST_SAVED.value + 1]
+        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles), gate=gate)
+    if x_fmt.quantized and not score_before_experts and not quantize_on_read:
+        sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
+    return _Operands(sent, x_scales, dy_sent, dy_scales, w1, w1_scales, w3, w3_scales, w2_operand,
+                     w2_operand_scales, w13t, w13t_scales, w3_stored, recv_rows, recv_row_scales, recomputes)
+
+
+def _backward_round(ops: _Operands, x, topk_w, order: torch.Tensor, top_k: int, saved: torch.Tensor | None,
+                    buffers: ForwardBuffers, grad: GradBuffers, score_before_experts: bool, comm_programs: int,
+                    num_programs: int, weight_grads: tuple | None, release: torch.Tensor | None) -> tuple:
+    """Steps 2-4 of one round (module docstring), after its layout; ``saved``: the round's
+    saved pre-activations (``saved_rows_of_round``), None where it has none. Returns the
+    weight gradients: round 0's, or ``weight_grads`` with this round's rows added.
+    ``release``: saved pre-activations whose memory goes back once this round's first
+    kernels are queued. ``order``: the routing's send order (``sort_rows``)."""
+    shape, tiles, flags = buffers.shape, grad.tiles, buffers.flag_layout
+    x_fmt, fmt = buffers.row_format, grad.grad_format
+    scale_k = fmt.row_scale_k
+    # The backward's first kernel takes one weight block and rounding rule: the backward's,
+    # or the forward's where only GEMM1 is quantized (never both: ``fused_support``).
+    w_fmt = fmt if fmt.quantized else x_fmt
+    quantize_on_read = shape.native_resend
+    block_n, stages = ((tiles.grad1_n, tiles.grad1_stages) if saved is None
+                       else (tiles.grad1_saved_n, tiles.grad1_saved_stages))
+    parts = cdiv(shape.inter, block_n)
+    hold = buffers.recv.shape[0]
     dab = torch.empty(hold, 2 * shape.inter, dtype=shape.dtype, device=x.device)
     # A forward in e4m3 keeps GEMM2's e4m3 operand in ``h``: the weight gradients get their own.
     h_wgrad = (torch.empty(hold, shape.inter, dtype=shape.dtype, device=x.device) if x_fmt.row_scale_k
-               else buffers.h[:hold])
+               else buffers.h)
+    dab_q = dab_scales = None
     if fmt.quantized:
         # [da | db] for the dgrad GEMM: e4m3 with scales, or rounded in the activation dtype.
         dab_q = torch.empty(hold, 2 * shape.inter, dtype=torch.float8_e4m3fn if scale_k else shape.dtype,
                             device=x.device)
         if scale_k:
             dab_scales = torch.empty(hold, 2 * shape.inter // scale_k, dtype=torch.float32, device=x.device)
-    # GEMM1's quantized operands where it is recomputed (w1, w3 replaced after the copies above).
-    if x_fmt.quantized and (preact is None or recompute_past_saved):
-        (w1, w1_scales), (w3, w3_scales) = quantize_weights([w1, w3], x_fmt, weights_in_bf16(x_fmt, tiles))
-    if x_fmt.quantized and not score_before_experts and not quantize_on_read:
-        sent, x_scales = quantize_rows(x, x_fmt.activation_block[1], x_fmt.power_of_two, bool(x_fmt.round_k))
     score_parts = torch.empty(hold, parts, dtype=torch.float32, device=x.device)
+    recv_rows, recv_row_scales = ops.recv_rows, ops.recv_row_scales
 
     def first_kernel(programs: int = num_programs, **variant) -> None:
         launch(
             dispatch_grad_gemm1_kernel, (programs,),
-            sent, x_scales, dy_sent, dy_scales, topk_w, order, send_start, buffers.dest_start, buffers.item_start,
-            buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs, buffers.recv_meta_ptrs,
-            buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad, grad.recv_grad_scales,
-            grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state, buffers.local_base,
-            buffers.block_base, buffers.local_rows, buffers.src_offset, buffers.src_rows, w1, w1_scales,
-            w2_operand, w2_operand_scales, w3, w3_scales, dab if preact is None else preact, h_wgrad, dab, dab_q,
-            dab_scales, score_parts, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank, saved_rows,
+            ops.sent, ops.x_scales, ops.dy_sent, ops.dy_scales, topk_w, order, buffers.send_first, buffers.send_end,
+            buffers.dest_start, buffers.item_start, buffers.recv_ptrs, grad.recv_grad_ptrs, grad.recv_score_ptrs,
+            buffers.recv_meta_ptrs, buffers.flag_ptrs, recv_rows, recv_row_scales, grad.recv_grad,
+            grad.recv_grad_scales, grad.recv_score, buffers.recv_meta, buffers.flags, buffers.state,
+            buffers.local_base, buffers.block_base, buffers.local_rows, buffers.src_offset, buffers.src_rows, ops.w1,
+            ops.w1_scales, ops.w2_operand, ops.w2_operand_scales, ops.w3, ops.w3_scales,
+            dab if saved is None else saved, h_wgrad, dab, dab_q, dab_scales, score_parts, shape.rank, shape.ep,
+            shape.local_experts, shape.rows_per_rank, 0 if saved is None else saved.shape[0],
             HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
             SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
-            MAX_CHUNKS=flags.max_chunks, EP_PAD=ep_pad, LOCAL_PAD=local_pad, BLOCK_M=tiles.block_m,
-            ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n, BLOCK_K=tiles.grad1_k,
-            COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
+            MAX_CHUNKS=flags.max_chunks, EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts),
+            BLOCK_M=tiles.block_m, ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n,
+            BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
             UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,
             W_SCALE_N=weight_scale_rows(w_fmt, tiles), MX_DOT=mx_dot(w_fmt, tiles.mx_upcast),
             QUANTIZE_ON_READ=quantize_on_read,
@@ -558,7 +563,7 @@ def fused_backward(
             **variant,
         )
 
-    if preact is not None and runs_gluon_grad1(tiles, fmt, shape.dtype, shape.hidden, shape.inter, quantize_on_read):
+    if saved is not None and runs_gluon_grad1(tiles, fmt, shape.dtype, shape.hidden, shape.inter, quantize_on_read):
         # The communication programs dispatch alone; the core runs the others on a stream
         # beside them, its load warp waiting for the rows it copies.
         side = fork_stream(x.device)
@@ -566,49 +571,65 @@ def fused_backward(
                      COMM_PROGRAMS=comm_programs, EPILOGUE_PARTS=1, num_stages=1)
         with torch.cuda.stream(side):
             swiglu_grad_gemm(
-                grad.recv_grad, w2_operand, expert_layout(buffers), chunk_flags(buffers),
-                SwigluGradTensors(preact, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
+                grad.recv_grad, ops.w2_operand, expert_layout(buffers), chunk_flags(buffers),
+                SwigluGradTensors(saved, grad.recv_score, dab, h_wgrad, score_parts, dab_q, dab_scales),
                 GemmTiles(tiles.grad1_saved_n, tiles.grad1_k, tiles.grad1_saved_stages), saved_m=tiles.grad1_m,
                 score_before_experts=score_before_experts, row_align=buffers.tiles.row_align,
-                dy_scale=grad.recv_grad_scales, w2t_scale=w2_operand_scales, b_k_major=not tiles.w2_as_stored,
+                dy_scale=grad.recv_grad_scales, w2t_scale=ops.w2_operand_scales, b_k_major=not tiles.w2_as_stored,
                 power_of_two=fmt.power_of_two, programs=num_programs - comm_programs,
             )
         join_stream(side)
     else:
-        first_kernel(TILES=(ALL_TILES if preact is None else SAVED_TILES).value,
+        first_kernel(TILES=(ALL_TILES if saved is None else SAVED_TILES).value,
                      NEXT_TILE=GEMM1_NEXT_TILE.value, COMM_PROGRAMS=comm_programs,
-                     EPILOGUE_PARTS=1 if preact is None else tiles.grad1_saved_parts, num_stages=stages)
-    if recompute_past_saved:
-        # The tiles past the saved rows, if any arrived: GEMM1 recomputed and rounded as
-        # the forward would have saved it, in tiles as wide (the score-gradient parts are
-        # per tile column), after the first launch has dispatched every row.
+                     EPILOGUE_PARTS=1 if saved is None else tiles.grad1_saved_parts, num_stages=stages)
+    if saved is not None and saved.shape[0] < buffers.window and ops.recomputes:
+        # The tiles past the saved rows, if any arrived (the kernel finds none otherwise):
+        # GEMM1 recomputed and rounded as the forward would have saved it, in tiles as wide
+        # (the score-gradient parts are per tile column), after the first launch has
+        # dispatched every row.
         first_kernel(TILES=PAST_SAVED_TILES.value, NEXT_TILE=RECOMPUTE_NEXT_TILE.value, COMM_PROGRAMS=0,
                      EPILOGUE_PARTS=tiles.grad1_saved_parts, num_stages=tiles.grad1_stages)
-    if preact is not None:
-        release_preact(preact)
-    rows_gemm_combine(buffers, tiles, tiles.dgrad, dab_q if fmt.quantized else dab, dab_scales, w13t, w13t_scales,
-                      w3_stored, fmt, scale_k, num_programs,
+    if release is not None:
+        release_preact(release)
+    rows_gemm_combine(buffers, tiles, tiles.dgrad, dab_q if fmt.quantized else dab, dab_scales, ops.w13t,
+                      ops.w13t_scales, ops.w3_stored, fmt, scale_k, num_programs,
                       score=(score_parts, grad.score_grad, grad.score_grad_ptrs, parts))
     # The weight gradients read neither: their memory goes to what those allocate (the
     # caching allocator hands it out in stream order, after the kernel above).
-    del first_kernel, w2_operand, w13t, w2_operand_scales, w13t_scales, w3_stored, dab_q, dab_scales
+    del first_kernel, dab_q, dab_scales, score_parts
+    if weight_grads is not None:
+        dw1, dw2, dw3 = weight_grads
+        y_rows = (grad.recv_grad, grad.recv_grad_scales,
+                  0 if grad.recv_grad_scales is None else grad.dy_link.row_scale_k)
+        x_rows = (recv_rows, recv_row_scales, 0 if recv_row_scales is None else x_fmt.row_scale_k)
+        accumulate_wgrad(buffers, (dab, None, 0), x_rows, (dw1, dw3))
+        accumulate_wgrad(buffers, y_rows, (h_wgrad, None, 0), (dw2,))
+        return weight_grads
+    return _first_round_wgrad(buffers, grad, x, dab, h_wgrad, recv_rows, recv_row_scales, num_programs)
 
+
+def _first_round_wgrad(buffers: ForwardBuffers, grad: GradBuffers, x, dab, h_wgrad, recv_rows,
+                       recv_row_scales, num_programs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dw1, dw2, dw3)`` of round 0's rows (module docstring), each operand freed as soon
+    as it is read."""
+    shape, tiles = buffers.shape, grad.tiles
+    x_fmt, scale_k = buffers.row_format, grad.grad_format.row_scale_k
     wgrad_fmt = grad.wgrad_format
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:
-        dw1, dw3 = (torch.empty(w.shape, dtype=shape.dtype, device=x.device) for w in (w1, w3))
         # Each operand freed as soon as its token-major copy exists, the narrowest first:
         # h's copy, then [da | db] (dW1 and dW3 first), so that neither is held beside
         # the other or beside more than two copies (docs/perf.md v28); dW2 allocated once
         # [da | db]'s copy is freed, so that the peak holds the three weight gradients
         # beside two copies, not beside [da | db] (v32).
+        dw1, dw3 = (torch.empty(shape.local_experts, shape.inter, shape.hidden, dtype=shape.dtype, device=x.device)
+                    for _ in range(2))
         starts = _token_block_starts(buffers, tiles, wgrad_fmt)
         gluon = runs_gluon_wgrad(tiles, wgrad_fmt, shape.hidden, shape.inter)
-        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, received, gluon)
+        token_major = functools.partial(_token_major, buffers, tiles, wgrad_fmt, starts, buffers.window, gluon)
 
         def wgrad(a, b, outs):
-            if runs_library_wgrad(tiles, per_expert, a[0].shape[0], b[0].shape[0]):
-                _library_wgrad(tiles, wgrad_fmt, per_expert, a, b, outs, block_major=gluon)
-            elif gluon:
+            if gluon:
                 token_grouped_gemm(*a, *b, starts, outs, GemmTiles(tiles.wgrad_n, tiles.wgrad_k, tiles.wgrad_stages),
                                    num_programs)
             else:
@@ -620,37 +641,26 @@ def fused_backward(
         del dab
         wgrad(dab_major, token_major(recv_rows, recv_row_scales, shape.hidden), (dw1, dw3))
         del dab_major
-        dw2 = torch.empty(w2.shape, dtype=shape.dtype, device=x.device)
+        dw2 = torch.empty(shape.local_experts, shape.hidden, shape.inter, dtype=shape.dtype, device=x.device)
         wgrad(token_major(grad.recv_grad, grad.recv_grad_scales, shape.hidden), h_major, (dw2,))
-    else:
-        # torch's grouped GEMM on the rows in the activation dtype, a pair of operands at a
-        # time: dequantized where they crossed quantized (``fp8_wgrad_bf16``), and for MX
-        # weight gradients (``mx_wgrad_dequantized``) quantized along the tokens and
-        # dequantized again, every operand.
-        # dW1 and dW3 first: [da | db] is freed before dW2 is allocated, so that the
-        # backward's peak holds the three weight gradients or [da | db], not both.
-        mx_block = grad.mx_wgrad_block
-        align = buffers.tiles.row_align
-        ends = torch.cumsum((buffers.local_rows + align - 1) // align * align, 0, dtype=torch.int32)
-        held = slice(0, hold)
-        x_rows = _dequantized(buffers, recv_rows[held], None if recv_row_scales is None else recv_row_scales[held],
-                              x_fmt.row_scale_k, mx_block)
-        dab_rows = _dequantized(buffers, dab, None, 0, mx_block)
-        del dab
-        dw1 = torch._grouped_mm(dab_rows[:, : shape.inter].t(), x_rows, offs=ends)
-        dw3 = torch._grouped_mm(dab_rows[:, shape.inter :].t(), x_rows, offs=ends)
-        del x_rows, dab_rows
-        recv_grad_scales = None if grad.recv_grad_scales is None else grad.recv_grad_scales[held]
-        dy_rows = _dequantized(buffers, grad.recv_grad[held], recv_grad_scales, scale_k, mx_block)
-        h_rows = _dequantized(buffers, h_wgrad, None, 0, mx_block)
-        del h_wgrad
-        dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)
-
-    dx = torch.empty_like(x)
-    d_topk_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    reduce(buffers, topk_w, x, dx, d_topk_w, num_tokens, top_k, num_programs,
-           scale_by_score=score_before_experts, score_dot=score_before_experts)
-    if not score_before_experts:
-        d_topk_w.copy_(grad.score_grad[: num_tokens * top_k].view(num_tokens, top_k))
-    after_launches(buffers)
-    return dx, d_topk_w, dw1, dw2, dw3
+        return dw1, dw2, dw3
+    # torch's grouped GEMM on the rows in the activation dtype, a pair of operands at a
+    # time: dequantized where they crossed quantized (``fp8_wgrad_bf16``), and for MX
+    # weight gradients (``mx_wgrad_dequantized``) quantized along the tokens and
+    # dequantized again, every operand.
+    # dW1 and dW3 first: [da | db] is freed before dW2 is allocated, so that the
+    # backward's peak holds the three weight gradients or [da | db], not both.
+    mx_block = grad.mx_wgrad_block
+    align = buffers.tiles.row_align
+    ends = torch.cumsum((buffers.local_rows + align - 1) // align * align, 0, dtype=torch.int32)
+    x_rows = _dequantized(buffers, recv_rows, recv_row_scales, x_fmt.row_scale_k, mx_block)
+    dab_rows = _dequantized(buffers, dab, None, 0, mx_block)
+    del dab
+    dw1 = torch._grouped_mm(dab_rows[:, : shape.inter].t(), x_rows, offs=ends)
+    dw3 = torch._grouped_mm(dab_rows[:, shape.inter :].t(), x_rows, offs=ends)
+    del x_rows, dab_rows
+    dy_rows = _dequantized(buffers, grad.recv_grad, grad.recv_grad_scales, scale_k, mx_block)
+    h_rows = _dequantized(buffers, h_wgrad, None, 0, mx_block)
+    del h_wgrad
+    dw2 = torch._grouped_mm(dy_rows.t(), h_rows, offs=ends)
+    return dw1, dw2, dw3

@@ -60,7 +60,7 @@ Gluon core computes the saved tiles (``kernels.gluon.sm90.swiglu_grad_gemm``).""
 
 @triton.jit
 def dispatch_grad_gemm1_kernel(
-    x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
+    x, x_scales, dy, dy_scales, topk_w, order, send_first, send_end, dest_start, item_start,
     recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, state,
     local_base, block_base, local_rows, src_offset, src_rows, w1, w1_scales, w2_operand, w2_operand_scales,
@@ -112,7 +112,8 @@ def dispatch_grad_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start, recv, recv_scales,
+                item, x, x_scales, dy, dy_scales, topk_w, order, send_first, send_end, dest_start, item_start, recv,
+                recv_scales,
                 recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs, grad_ptrs, score_ptrs, meta_ptrs,
                 flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank, HIDDEN=HIDDEN, TOP_K=TOP_K,
                 SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS, WITH_GRAD=True, NEEDS_INPUT=NEEDS_INPUT,

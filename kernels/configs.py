@@ -93,14 +93,6 @@ class TileConfig:
     consumer warpgroups, one token block per K step, ``wgrad_stages`` stages; ``wgrad_m``,
     ``wgrad_n`` and ``wgrad_k`` must say so, ``wgrad_warps`` unused). Where a layer's
     dimensions are not multiples of 128 the ``tl`` kernel runs, and the log says so."""
-    wgrad_library_macs: int = 0
-    """Blockwise fp8 only. A quantized weight gradient (dW1 with dW3, or dW2) runs torch's
-    blockwise-scaled matmul (``torch.nn.functional.scaled_mm`` with 1 x 128 blocks: on
-    Hopper a cuBLASLt fp8 GEMM that applies each block's scales inside its pipelined
-    mainloop, where ``tl.dot`` waits for its MMAs before every promotion), one launch per
-    local expert, instead of ``wgrad_kernel``, where its mean expert's multiply-adds (rows
-    x output elements) reach this many: a launch per expert pays off only for deep experts
-    (0: never)."""
     token_major_row_bytes: int = 128
     """Bytes of each row a token-major copy program reads (one token block by this over
     the operand's element size columns: 64 of bf16, 128 of e4m3); the columns must divide
@@ -300,10 +292,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # 4 warps, v36; 128 columns of fp32 in 4 warps were 34% slower, v16). Weight gradients on
     # the Gluon core grouped along the tokens, 128x128 in 5 stages: 1.88 ms against
     # wgrad_kernel's 2.75 (64x128 tiles, two programs per SM) at 30B-A3B 16k, 0.77 against
-    # 1.29 at 4k (v43). Where the mean expert brings 2^34 multiply-adds or more to a weight
-    # gradient, torch's blockwise-scaled matmul, one launch per expert, runs it instead:
-    # 786-884 TFLOP/s against wgrad_kernel's 556-579 at 8,192 rows per expert (v34; not
-    # yet compared with the Gluon kernel).
+    # 1.29 at 4k (v43).
     # Dispatch copies of 16 whole e4m3 rows (2,048 columns) per step: a copy waits on its
     # loads, and wider steps keep more bytes in flight (GEMM1 kernel 8% faster, v17).
     # GEMM1 claims its next tile before the mainloop: 6-7% faster here (bf16's GEMM1 ran
@@ -323,7 +312,6 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         dgrad_kernel="gluon", dgrad_n=128, dgrad_k=128, dgrad_warps=8, dgrad_stages=5,
         copy_rows=16, copy_cols=2048, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_kernel="gluon", wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_stages=5, token_major_warps=2,
-        wgrad_library_macs=2**34,
     ),
     # MXFP8 on H100/H200: Hopper has no MX MMA. MX values are exact in bf16, so the
     # operands are held in bf16 rounded to MX (mx_in_bf16) and every GEMM runs the bf16

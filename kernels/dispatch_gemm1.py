@@ -45,7 +45,7 @@ def _scale_chunk(rows, c0, live, HIDDEN: tl.constexpr, SCALE_K: tl.constexpr, CO
 
 @triton.jit
 def dispatch_item(
-    item, x, x_scales, dy, dy_scales, topk_w, order, send_start, dest_start, item_start,
+    item, x, x_scales, dy, dy_scales, topk_w, order, send_first, send_end, dest_start, item_start,
     recv, recv_scales, recv_grad, recv_grad_scales, recv_score, recv_meta, flags, recv_ptrs,
     grad_ptrs, score_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep, local_experts, rows_per_rank,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCORE_BEFORE_EXPERTS: tl.constexpr,
@@ -74,8 +74,8 @@ def dispatch_item(
     le = o // ep
     owner = o % ep
     expert = owner * local_experts + le
-    first = tl.load(send_start + expert) + chunk * BLOCK_M
-    rows = tl.minimum(tl.load(send_start + expert + 1) - first, BLOCK_M)
+    first = tl.load(send_first + expert) + chunk * BLOCK_M
+    rows = tl.minimum(tl.load(send_end + expert) - first, BLOCK_M)
     dest0 = tl.load(dest_start + expert) + chunk * BLOCK_M
     recv = peer_pointer(recv, recv_ptrs, owner, rank)
     if ROW_SCALE_K > 0:
@@ -176,7 +176,7 @@ def wait_rows(
 
 @triton.jit
 def dispatch_gemm1_kernel(
-    x, x_scales, topk_w, order, send_start, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
+    x, x_scales, topk_w, order, send_first, send_end, dest_start, item_start, recv_ptrs, meta_ptrs, flag_ptrs,
     recv, recv_scales, recv_meta, flags, state, local_base, block_base, local_rows, src_offset, src_rows,
     w1, w1_scales, w3, w3_scales, h, h_scales, preact, saved_rows,
     rank, ep, local_experts, rows_per_rank,
@@ -209,7 +209,8 @@ def dispatch_gemm1_kernel(
     if pid < COMM_PROGRAMS:
         for item in range(pid, tl.load(state + NUM_ITEMS).to(tl.int32), COMM_PROGRAMS):
             dispatch_item(
-                item, x, x_scales, x, None, topk_w, order, send_start, dest_start, item_start, recv, recv_scales, recv,
+                item, x, x_scales, x, None, topk_w, order, send_first, send_end, dest_start, item_start, recv,
+                recv_scales, recv,
                 None, topk_w, recv_meta, flags, recv_ptrs, recv_ptrs, recv_ptrs, meta_ptrs, flag_ptrs, epoch, rank, ep,
                 local_experts, rows_per_rank, HIDDEN=HIDDEN, TOP_K=TOP_K, SCORE_BEFORE_EXPERTS=SCORE_BEFORE_EXPERTS,
                 WITH_GRAD=False, NEEDS_INPUT=0, CHUNK_READY=CHUNK_READY, MAX_CHUNKS=MAX_CHUNKS,

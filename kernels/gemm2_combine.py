@@ -32,6 +32,7 @@ from titan_megamoe.kernels.sync import (
     EPOCH,
     GEMM2_FINISHED,
     NUM_BLOCKS,
+    POISONED,
     peer_pointer,
     signal,
     wait_all,
@@ -130,7 +131,8 @@ def release_combine(score_parts, score_grad, score_grad_ptrs, recv_meta, flags, 
 
     tl.debug_barrier()
     finished = tl.atomic_add(state + GEMM2_FINISHED, 1, sem="acq_rel", scope="sys")
-    if finished == tl.num_programs(0) - 1:
+    # A poisoned round (``sync``) writes nothing to a peer.
+    if (finished == tl.num_programs(0) - 1) & (tl.load(state + POISONED) == 0):
         epoch = tl.load(state + EPOCH)
         for peer in range(ep):
             signal(peer_pointer(flags, flag_ptrs, peer, rank) + COMBINE_READY + rank, epoch)
@@ -150,20 +152,26 @@ def combine_release_kernel(score_parts, score_grad, score_grad_ptrs, recv_meta, 
 
 @triton.jit
 def combine_reduce_kernel(
-    combine, topk_w, x, out, score_dot, flags, flag_ptrs, state, num_tokens, rank, ep,
+    combine, topk_w, x, out, score_out, score_src, flags, flag_ptrs, state, num_tokens, rank, ep,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCALE_BY_SCORE: tl.constexpr,
-    SCORE_DOT: tl.constexpr, COMBINE_READY: tl.constexpr, EP_PAD: tl.constexpr,
+    SCORE_DOT: tl.constexpr, SCORE_COPY: tl.constexpr, COMBINE_READY: tl.constexpr, EP_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``out[t] = sum_j c_j * combine[t * k + j]`` with ``c_j = topk_w[t, j]`` when
-    ``SCALE_BY_SCORE`` else 1; ``SCORE_DOT``: ``score_dot[t, j] = <combine[t * k + j], x[t]>``.
-    Persistent over blocks of BLOCK_T tokens: its programs spin on COMBINE_READY, so the
-    grid stays within the SMs the caller gives the operator."""
+    ``SCALE_BY_SCORE`` else 1; ``SCORE_DOT``: ``score_out[t, j] = <combine[t * k + j], x[t]>``;
+    ``SCORE_COPY``: ``score_out[t, j] = score_src[t * k + j]`` (the score gradients the
+    owners pushed back). Persistent over blocks of BLOCK_T tokens: its programs spin on
+    COMBINE_READY, so the grid stays within the SMs the caller gives the operator. On
+    poisoned buffers (``sync``) it waits for no one and every output is NaN."""
     owners = tl.arange(0, EP_PAD)
     epoch = tl.load(state + EPOCH)
-    wait_all(flags + COMBINE_READY + owners, owners, owners < ep, epoch, COMBINE_READY_TIMEOUT,
-             flags, flag_ptrs, state, rank, ep, EP_PAD)
+    poisoned = tl.load(state + POISONED)
+    if poisoned == 0:
+        wait_all(flags + COMBINE_READY + owners, owners, owners < ep, epoch, COMBINE_READY_TIMEOUT,
+                 flags, flag_ptrs, state, rank, ep, EP_PAD)
     tl.debug_barrier()
+    # Added to every output: 0, or NaN where the buffers are poisoned.
+    poison = tl.where(poisoned != 0, float("nan"), 0.0)
 
     slots = tl.arange(0, K_PAD)
     for block in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_T), tl.num_programs(0)):
@@ -186,7 +194,10 @@ def combine_reduce_kernel(
                     acc += v
                 if SCORE_DOT:
                     dots += tl.where(slots[None, :] == slot, tl.sum(v * xt, axis=1)[:, None], 0.0)
-            tl.store(out + at, acc.to(out.dtype.element_ty), mask=mask)
-        if SCORE_DOT:
-            at = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-            tl.store(score_dot + at, dots, mask=live[:, None] & (slots[None, :] < TOP_K))
+            tl.store(out + at, (acc + poison).to(out.dtype.element_ty), mask=mask)
+        at = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+        scores = live[:, None] & (slots[None, :] < TOP_K)
+        if SCORE_COPY:
+            dots = tl.load(score_src + at, mask=scores, other=0.0)
+        if SCORE_DOT or SCORE_COPY:
+            tl.store(score_out + at, dots + poison, mask=scores)

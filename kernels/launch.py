@@ -86,6 +86,17 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     compiled[(*grid, 1, 1)[:3]](*values)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grids and sizes on the host: Triton's ``cdiv`` and
+    ``next_power_of_2`` are constexpr functions whose host calls cost microseconds each."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n`` <= 1), on the host (``cdiv``)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def fork_stream(device: torch.device) -> "torch.cuda.Stream | None":
     """A second stream of ``device`` (one per device, kept) that starts where the current
     stream is now: kernels queued on it run beside those the current stream queues next

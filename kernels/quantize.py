@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from titan_megamoe.kernels.configs import INTERPRET
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import cdiv, launch
 from titan_megamoe.precision import AMAX_FLOOR, E4M3_MAX, Format
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -159,13 +159,34 @@ def mx_round_columns(values):
 
 
 @triton.jit
+def _gate_open(gate, GATED: tl.constexpr):
+    """Whether a gated kernel runs: always, or where its gate word (device memory) is not 0."""
+    if GATED:
+        return tl.load(gate) != 0
+    else:
+        return True
+
+
+@triton.jit
 def quantize_rows_kernel(
+    x, q, scales, num_rows, gate,
+    COLS: tl.constexpr, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, DEQUANTIZE: tl.constexpr, GATED: tl.constexpr,
+):
+    """``x [num_rows, COLS]`` -> ``q`` (e4m3, same shape), ``scales [num_rows, cdiv(COLS, SCALE_K)]``;
+    with ``DEQUANTIZE``, ``q`` (bf16) gets ``e4m3 value * scale`` and ``scales`` is unused.
+    ``GATED``: nothing is written where the word ``gate`` points to is 0."""
+    if _gate_open(gate, GATED):
+        _quantize_rows_tile(x, q, scales, num_rows, COLS=COLS, SCALE_K=SCALE_K, POWER_OF_TWO=POWER_OF_TWO,
+                            BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, DEQUANTIZE=DEQUANTIZE)
+
+
+@triton.jit
+def _quantize_rows_tile(
     x, q, scales, num_rows,
     COLS: tl.constexpr, SCALE_K: tl.constexpr, POWER_OF_TWO: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
-    """``x [num_rows, COLS]`` -> ``q`` (e4m3, same shape), ``scales [num_rows, cdiv(COLS, SCALE_K)]``;
-    with ``DEQUANTIZE``, ``q`` (bf16) gets ``e4m3 value * scale`` and ``scales`` is unused."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     live = rows < num_rows
@@ -186,12 +207,13 @@ def quantize_rows_kernel(
         )
 
 
-def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool,
-                  dequantize: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool, dequantize: bool = False,
+                  gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``t [rows, cols]`` (any float dtype) -> ``(q [rows, cols] float8_e4m3fn,
     scales [rows, cdiv(cols, scale_k)] fp32)``, bit for bit
     ``reference.quantize_blocks(t, (1, scale_k), power_of_two)``. ``dequantize`` (power-of-two
-    scales only): ``(q * scales in bf16, None)``, which is exact."""
+    scales only): ``(q * scales in bf16, None)``, which is exact. ``gate`` (a device word):
+    the kernel writes nothing where it holds 0 (the outputs are then undefined)."""
     if dequantize and not power_of_two:
         raise ValueError("dequantize = True keeps values exact only with power-of-two scales")
     if t.dim() != 2:
@@ -201,13 +223,14 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool,
     t = t.contiguous()
     rows, cols = t.shape
     q = torch.empty(rows, cols, dtype=torch.bfloat16 if dequantize else torch.float8_e4m3fn, device=t.device)
-    scales = None if dequantize else torch.empty(rows, triton.cdiv(cols, scale_k), dtype=torch.float32,
+    scales = None if dequantize else torch.empty(rows, cdiv(cols, scale_k), dtype=torch.float32,
                                                  device=t.device)
-    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(cols, COLS_PER_PROGRAM))
+    grid = (cdiv(rows, ROWS_PER_PROGRAM), cdiv(cols, COLS_PER_PROGRAM))
     launch(quantize_rows_kernel, grid,
-        t, q, scales, rows,
+        t, q, scales, rows, gate,
         COLS=cols, SCALE_K=scale_k, POWER_OF_TWO=power_of_two,
-        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, DEQUANTIZE=dequantize, num_warps=4,
+        BLOCK_ROWS=ROWS_PER_PROGRAM, BLOCK_COLS=COLS_PER_PROGRAM, DEQUANTIZE=dequantize, GATED=gate is not None,
+        num_warps=4,
     )
     return q, scales
 
@@ -215,15 +238,26 @@ def quantize_rows(t: torch.Tensor, scale_k: int, power_of_two: bool,
 
 @triton.jit
 def quantize_weight_blocks_kernel(
-    w, q, scales, col0, N: tl.constexpr, K: tl.constexpr, OUT_COLS: tl.constexpr,
+    w, q, scales, col0, gate, N: tl.constexpr, K: tl.constexpr, OUT_COLS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, TRANSPOSE: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """One ``BLOCK_N x BLOCK_K`` block of expert ``program_id(0)``'s ``w [N, K]`` per
     program, quantized with one scale (``e4m3_scale`` of its largest magnitude). Straight:
     into ``q [E, N, K]`` and ``scales [E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)]``. With
     ``TRANSPOSE``: ``q [E, K, OUT_COLS]`` gets ``w[e].T`` at columns ``col0 + n`` and
     ``scales [E, cdiv(K, BLOCK_K), cdiv(OUT_COLS, BLOCK_N)]`` likewise (the block is the
-    transposed tensor's ``BLOCK_K x BLOCK_N`` block)."""
+    transposed tensor's ``BLOCK_K x BLOCK_N`` block). ``GATED``: as ``quantize_rows_kernel``."""
+    if _gate_open(gate, GATED):
+        _quantize_weight_block(w, q, scales, col0, N=N, K=K, OUT_COLS=OUT_COLS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               POWER_OF_TWO=POWER_OF_TWO, TRANSPOSE=TRANSPOSE)
+
+
+@triton.jit
+def _quantize_weight_block(
+    w, q, scales, col0, N: tl.constexpr, K: tl.constexpr, OUT_COLS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, POWER_OF_TWO: tl.constexpr, TRANSPOSE: tl.constexpr,
+):
     e = tl.program_id(0).to(tl.int64)
     nb, kb = tl.program_id(1), tl.program_id(2)
     rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,13 +275,13 @@ def quantize_weight_blocks_kernel(
         tl.store(scales + (e * tl.cdiv(N, BLOCK_N) + nb) * tl.cdiv(K, BLOCK_K) + kb, scale)
 
 
-def quantize_weights(weights: list[torch.Tensor], fmt: Format,
-                     dequantize: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def quantize_weights(weights: list[torch.Tensor], fmt: Format, dequantize: bool = False,
+                     gate: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Expert weights ``[E, N, K]`` as ``(e4m3 values, scales [E, cdiv(N, bn), cdiv(K, bk)])``
     with ``(bn, bk)`` the format's weight block, bit for bit
     ``reference.quantize_blocks(w, (bn, bk), power_of_two)``; ``dequantize`` (1 x K
     power-of-two blocks): ``(values in bf16, None)`` (``quantize_rows``). On every call:
-    the weights may have changed since the last one."""
+    the weights may have changed since the last one. ``gate``: as ``quantize_rows``'s."""
     bn, bk = fmt.weight_block
     if dequantize and bn != 1:
         raise ValueError(f"dequantized weights need 1 x K blocks; {fmt.name} has {bn} x {bk}")
@@ -256,14 +290,14 @@ def quantize_weights(weights: list[torch.Tensor], fmt: Format,
         w = w.contiguous()
         experts, n, k = w.shape
         if bn == 1:  # blocks along K only: rows of the flattened weight
-            q, scales = quantize_rows(w.view(experts * n, k), bk, fmt.power_of_two, dequantize)
+            q, scales = quantize_rows(w.view(experts * n, k), bk, fmt.power_of_two, dequantize, gate)
             quantized.append((q.view(experts, n, k), None if dequantize else scales.view(experts, n, -1)))
             continue
         q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-        scales = torch.empty(experts, triton.cdiv(n, bn), triton.cdiv(k, bk), dtype=torch.float32, device=w.device)
+        scales = torch.empty(experts, cdiv(n, bn), cdiv(k, bk), dtype=torch.float32, device=w.device)
         launch(quantize_weight_blocks_kernel, scales.shape,
-            w, q, scales, 0, N=n, K=k, OUT_COLS=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two,
-            TRANSPOSE=False, num_warps=8,
+            w, q, scales, 0, gate, N=n, K=k, OUT_COLS=k, BLOCK_N=bn, BLOCK_K=bk, POWER_OF_TWO=fmt.power_of_two,
+            TRANSPOSE=False, GATED=gate is not None, num_warps=8,
         )
         quantized.append((q, scales))
     return quantized

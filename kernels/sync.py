@@ -1,27 +1,31 @@
 """Cross-GPU synchronisation of the fused kernels: the protocol, the flag buffer, waits,
-and how a failure stops every rank.
+rounds, and how a bad input or a failure is made loud on every rank.
 
 Every rank owns one int64 *flag buffer* in symmetric memory (peers write into it over
-NVLink). All flags hold *epochs*: a rank's epoch counts the operator calls it has made,
-lives on the device (``state[EPOCH]``, int64) and is bumped by the layout kernel at the
-start of each call. A flag equal to the current epoch means "done in this call"; stale
-values from earlier calls never match, so flags are never reset.
+NVLink). All flags hold *epochs*: a rank's epoch counts the rounds it has run, lives on
+the device (``state[EPOCH]``, int64) and is bumped by the layout kernel at the start of
+each round. A flag equal to the current epoch means "done in this round"; stale values
+from earlier rounds never match, so flags are never reset.
 
-A *call* is one forward or one backward of the operator; both start with the layout
-kernel. One call, on every rank (all launches on one stream, in this order)::
+A *call* is one forward or one backward of the operator. It runs in ``R`` *rounds*, each
+starting with the layout kernel; ``R`` is fixed by the host from the buffers' size alone
+(``ForwardShape.rounds``: the receive buffers hold a *window* of ``C`` rows, and ``R``
+windows hold the most rows any routing can bring), so a call's launches never depend on
+the routing. Round ``r`` moves the rows that land in rows ``[r C, (r + 1) C)`` of each
+owner's full receive layout; a routing that fits one window leaves rounds 1.. empty, and
+their kernels exit at once. One round, on every rank (all launches on one stream, in
+this order)::
 
-    layout     write my per-expert counts into every peer's COUNTS[me], whether I
-               need the expert inputs sent again: NEEDS_INPUT[me], and my first
-               expert id outside [0, E), if any: BAD_IDS[me]                  (plain stores)
+    layout     round 0: write my per-expert counts into every peer's COUNTS[me], and my
+               first expert id outside [0, E), if any: BAD_IDS[me]            (plain stores)
+               every round with rows (all ranks agree which, from the same counts):
+               whether I need the expert inputs sent again: NEEDS_INPUT[me],
                set every peer's COUNT_READY[me] = epoch                       (release, sys)
                wait COUNT_READY[s] == epoch for every source s               (acquire, sys)
-               -> every rank derives the same receive layout from COUNTS; where
-                  some rank's rows would not fit its receive buffers, every rank finds
-                  so: a forward's first run then publishes no work (the kernels below
-                  pass their barriers and store nothing), the host grows the buffers
-                  and runs the call again; any other call fails (RECEIVE_OVERFLOW).
-                  Where some rank's BAD_IDS holds an id, every rank publishes no work
-                  and records the id in its received-rows record (BAD_EXPERT_ID, below)
+               -> every rank derives the same receive layout of the round's window from
+                  COUNTS. Rounds past the last with rows pass no barrier: no row moves.
+                  Where some rank's BAD_IDS holds an id, every rank *poisons* its
+                  buffers (below) and publishes no work
     dispatch   per chunk of <= BLOCK_M rows for one expert: store the rows and their
                origin into the owner's receive buffer (the backward: also the rows of
                dy and the scores; the expert inputs only if the owner's NEEDS_INPUT),
@@ -31,35 +35,51 @@ kernel. One call, on every rank (all launches on one stream, in this order)::
                backward: also each row's score gradient into the source's buffer); the
                last program to finish sets every peer's COMBINE_READY[me] = epoch
                                                                               (release, sys)
-    reduce     waits COMBINE_READY[s] == epoch for every s, then sums the k rows of
-               each token in slot order
+
+and once per call, after the last round::
+
+    reduce     waits COMBINE_READY[s] == epoch (the last round's) for every s, then sums
+               the k rows of each token in slot order (each row crossed in one round)
 
 NEEDS_INPUT is each owner's own decision, published before anyone dispatches, so senders
 never disagree with it: an owner whose receive buffer still holds the rows of the forward
-being differentiated (no call in between) asks for the gradient rows alone.
+being differentiated (no call in between, and that forward's rows of this owner all in
+round 0: ``LAST_ROWS_ROUND``) asks for the gradient rows alone in round 0.
 
-Why buffers can be reused without a barrier at the end of a call: a rank passes the
-layout's wait in call n+1 only after every peer has started call n+1, i.e. after each
-peer's stream has finished call n (including its reads of the buffers I am about to
-write). Writers of call n+1 are therefore always behind the readers of call n.
+Why buffers can be reused without a barrier at the end of a round: a rank passes the
+layout's wait in round n+1 only after every peer has started round n+1, i.e. after each
+peer's stream has finished round n (including its reads of the buffers I am about to
+write). Writers of round n+1 are therefore always behind the readers of round n. COUNTS
+are written in round 0 only and read by every round of the call: no peer writes them again
+before its next call, which starts after its reduce has waited for my last round.
+
+**No host wait.** Nothing the host launches depends on what the device computes: grids
+are sized by capacity, counts and offsets stay on the device, and rows past a window go
+through the later rounds of the same call. The host reads host-memory records the device
+wrote (``records``) only without waiting: the status record and the poison words are
+sticky, and a call's received-rows record is read for growth only ``GROWTH_LAG`` calls
+later.
 
 **Bad expert ids** are not a failure of the protocol: the rows of an id outside
 ``[0, E)`` sort outside every expert's range (``forward.sort_rows``), so no row of
-theirs is ever sent; the layout only has to keep the call from computing a result.
-Each rank publishes its first bad id (BAD_IDS) with its counts; every rank then reads
-the same BAD_IDS, publishes no work, so that the call's kernels pass their barriers and
-store nothing, and writes status BAD_EXPERT_ID with the first bad rank's id and its
-(token, slot) into the call's received-rows record. The host reads that record once
-the forward's launches are made and raises, naming the id, on every rank: the forward
-itself, or, where autograd will run its backward, that backward before it launches past
-its layout, else the next forward (``forward.fused_forward``). The group stays in step,
-so the next call runs normally.
+theirs is ever sent. Each rank publishes its first bad id (BAD_IDS) with its counts in
+round 0; every rank then reads the same BAD_IDS and *poisons* its buffers
+(``state[POISONED]`` = that round's epoch, the same on every rank): it records the first
+bad rank's id and its (token, slot) in the call's received-rows record and the poison
+words of the status record, publishes no work, and from then on every round of every
+call on these buffers passes no barrier, writes nothing to a peer and publishes no work,
+and every reduction writes NaN: no result computed after the bad id is a number. The host
+raises ``ValueError`` naming the id at the first call that finds the poison words written
+(``records``), before it launches anything, on every rank (ranks may find it at different
+calls: poisoned calls wait for no peer, so none hangs). Raising, the host launches
+``acknowledge_kernel`` on its stream: it clears the poison and moves the epoch to
+``POISONED + RESYNC_GAP``, where every rank's next call meets again whatever number of
+poisoned calls each made (stale flags of those calls stay below it). A CUDA graph's
+replays run no host code: ``fused.raise_pending()`` raises and acknowledges there.
 
 **Failure.** Every wait has a wall-clock deadline (``state[TIMEOUT_NS]``, the settings'
 ``timeout_s``; read from the GPU's global timer). A rank *fails* when a wait passes its
-deadline, when a peer has failed, or when a call other than a forward's first run
-brings some rank more rows than its receive buffers hold (the forward's growth rules
-that out). Failing:
+deadline or when a peer has failed. Failing:
 
 1. records ``(code, rank, index, value seen, value expected, epoch)`` once in its *status*
    record (host memory, so the host reads it without synchronising);
@@ -97,24 +117,36 @@ RECOMPUTE_NEXT_TILE = tl.constexpr(7)
 """The backward's tile counter for the rows whose pre-activations were not saved."""
 RECEIVED_ADDR = tl.constexpr(8)
 """Address of the received-rows record (host memory, below)."""
-STATE_WORDS = 9
+POISONED = tl.constexpr(9)
+"""The epoch of the round that found a bad expert id, until the host acknowledges it; 0
+while nothing is poisoned."""
+LAST_ROWS_ROUND = tl.constexpr(10)
+"""The last round of the last call in which this rank's window held rows (0 where none):
+the receive buffer holds that round's rows."""
+PAST_SAVED = tl.constexpr(11)
+"""1 where this call brings this rank rows past the forward's saved pre-activations (the
+backward then recomputes GEMM1 for them), else 0: gates the quantization of GEMM1's
+weights in the backward."""
+STATE_WORDS = 12
+
+RESYNC_GAP = tl.constexpr(1 << 32)
+"""Epochs an acknowledged poison skips (``acknowledge_kernel``: ``POISONED`` + this): more
+than any number of rounds a rank runs poisoned."""
 
 # The received-rows record (int64, host memory): RECEIVED_SLOTS slots of [call, rows, most,
 # status, bad rank, bad slot, bad id, rows of local expert 0, 1, ...] (RECEIVED_COUNTS +
-# local experts words). The layout kernel of call n (as the host counts calls:
-# ``ForwardBuffers.calls``, passed to it) writes, into slot n % RECEIVED_SLOTS, the rows
-# this rank receives in that call (each local expert's padded to its alignment), the most
-# rows any rank of the group receives (so counted; every rank derives the same figure from
-# the same counts), the call's status (0, or BAD_EXPERT_ID with the first rank whose
+# local experts words). Round 0 of call n (as the host counts calls:
+# ``ForwardBuffers.calls``, passed to it; 0 for a call captured in a CUDA graph, whose
+# replays all write slot 0) writes, into slot ``ring_slot(n)``, the rows this rank
+# receives in that call (each local expert's padded to its alignment, every round's), the
+# most rows any rank of the group receives (so counted; every rank derives the same figure
+# from the same counts), the call's status (0, or BAD_EXPERT_ID with the first rank whose
 # ``topk_idx`` holds an id outside [0, E), that id's flat index ``token * top_k + slot``
 # there and the id; the three words are written only then) and each local expert's rows:
-# first those, then n (release, sys). Every forward, its launches made, reads its slot on
-# the host (``ForwardBuffers.received_rows``): it raises on a bad id and, where the
-# receive buffers hold fewer rows than any routing can bring, checks whether every rank's
-# rows fit (``ForwardBuffers.grow_to_fit``; all ranks read the same ``most`` and grow
-# alike). Its backward reads the same slot, without synchronising, to size the buffers
-# that hold one row per received row and to split the weight gradients by expert (the
-# backward routes the same rows).
+# first those, then n (release, sys). The host reads a slot without waiting only: the
+# call that poisoned the buffers (``POISON_CALL`` below names it), and a call
+# ``GROWTH_LAG`` calls back, whose ``most`` decides, alike on every rank, whether the
+# receive buffers grow (``records``).
 RECEIVED_SLOTS = tl.constexpr(1024)
 RECEIVED_CALL = tl.constexpr(0)
 RECEIVED_ROWS = tl.constexpr(1)
@@ -124,6 +156,13 @@ RECEIVED_BAD_RANK = tl.constexpr(4)
 RECEIVED_BAD_SLOT = tl.constexpr(5)
 RECEIVED_BAD_ID = tl.constexpr(6)
 RECEIVED_COUNTS = tl.constexpr(7)
+
+
+@triton.jit
+def ring_slot(call):
+    """The received-rows slot of host call ``call``: slot 0 for a captured call (0), the
+    others in turn for eager ones (``records.ring_slot`` on the host)."""
+    return tl.where(call == 0, 0, 1 + (call - 1) % (RECEIVED_SLOTS - 1))
 
 ABORT = tl.constexpr(0)
 """ABORT[rank] sits at the start of every flag buffer, so every kernel finds it without
@@ -136,19 +175,25 @@ CHUNK_READY_TIMEOUT = tl.constexpr(2)
 COMBINE_READY_TIMEOUT = tl.constexpr(3)
 PEER_FAILED = tl.constexpr(4)
 BAD_EXPERT_ID = tl.constexpr(5)
-"""A rank's ``topk_idx`` holds an id outside [0, E): the call published no work
+"""A rank's ``topk_idx`` holds an id outside [0, E): the call poisoned the buffers
 (received-rows record; not a failure, see the module docstring)."""
 RECEIVE_OVERFLOW = tl.constexpr(6)
+"""A call's rows need more rounds than the host launched (the host sizes the rounds for
+any routing: a defect, not an input)."""
 FAILURES = {
     COUNT_READY_TIMEOUT.value: "COUNT_READY",
     CHUNK_READY_TIMEOUT.value: "CHUNK_READY",
     COMBINE_READY_TIMEOUT.value: "COMBINE_READY",
     PEER_FAILED.value: "a peer's failure",
-    RECEIVE_OVERFLOW.value: "receive buffers too small for a call's rows",
+    RECEIVE_OVERFLOW.value: "more rounds than the call launched",
 }
 """Status code -> what failed (a waited flag array, a peer, or the input)."""
 
-# Status record words (int64, host memory): [code, rank, index, seen, expected, claim, call, -].
+# Status record words (int64, host memory): [code, rank, index, seen, expected, claim,
+# epoch, poison call, poison epoch, -]. The first seven record a failure, once; the poison
+# words the call that poisoned the buffers (its host number: its received-rows slot holds
+# the bad id) and that round's epoch (written last, release, sys), each time the buffers
+# are poisoned anew.
 CODE = tl.constexpr(0)
 RANK = tl.constexpr(1)
 INDEX = tl.constexpr(2)
@@ -156,7 +201,9 @@ SEEN = tl.constexpr(3)
 EXPECTED = tl.constexpr(4)
 CLAIM = tl.constexpr(5)
 CALL = tl.constexpr(6)
-STATUS_WORDS = 8
+POISON_CALL = tl.constexpr(7)
+POISON_EPOCH = tl.constexpr(8)
+STATUS_WORDS = 10
 
 _USE_CLOCK = tl.constexpr(not INTERPRET)
 _TRAP = tl.constexpr(not INTERPRET)
@@ -308,6 +355,16 @@ def wait_all(waited, ids, mask, target, code, flags, flag_ptrs, state, rank, ep,
         fail(code, first, value, target, flags, flag_ptrs, state, rank, ep)
     else:
         tl.atomic_add(waited, 0, mask=mask, sem="acquire", scope="sys")
+
+
+@triton.jit(do_not_specialize=["poisoned_epoch"])
+def acknowledge_kernel(state, poisoned_epoch):
+    """The host has raised for the poisoning of ``poisoned_epoch``: clear it, and move the
+    epoch to where every rank's next call meets (``RESYNC_GAP``). A later poisoning is left
+    for its own acknowledgement."""
+    if tl.load(state + POISONED) == poisoned_epoch:
+        tl.store(state + EPOCH, poisoned_epoch.to(tl.int64) + RESYNC_GAP)
+        tl.store(state + POISONED, 0)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import cdiv, launch
 from titan_megamoe.kernels.quantize import quantize_weight_blocks_kernel, quantize_weights, round_rows
 from titan_megamoe.precision import Format
 
@@ -51,7 +51,7 @@ def transposed_side_by_side(weights: list[torch.Tensor], block: int, round_k: in
     for w in weights:
         w = w.contiguous()
         rows, cols = w.shape[1:]
-        grid = (experts, triton.cdiv(rows, block), triton.cdiv(cols, block))
+        grid = (experts, cdiv(rows, block), cdiv(cols, block))
         launch(transpose_experts_kernel, grid,
             w, out, col0, R=rows, C=cols, D=out.shape[2], BLOCK_R=block, BLOCK_C=block, ROUND_K=round_k,
             num_warps=4,
@@ -84,7 +84,7 @@ def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_bloc
     if dequantize:
         raise ValueError(f"dequantized weights need 1 x K blocks; {fmt.name} has {bn} x {bk}")
     q = torch.empty(experts, k, cols, dtype=torch.float8_e4m3fn, device=weights[0].device)
-    scales = torch.empty(experts, triton.cdiv(k, bn), triton.cdiv(cols, bk), dtype=torch.float32,
+    scales = torch.empty(experts, cdiv(k, bn), cdiv(cols, bk), dtype=torch.float32,
                          device=weights[0].device)
     col0 = 0
     for w in weights:
@@ -92,9 +92,9 @@ def quantize_transposed(weights: list[torch.Tensor], fmt: Format, transpose_bloc
         if col0 % bk or (n % bk and w is not weights[-1]):
             raise ValueError(f"weights of {n} rows at column {col0} do not fill whole {bn} x {bk} blocks")
         # The transposed tensor's (bn, bk) block is a (bk, bn) block of the weight.
-        launch(quantize_weight_blocks_kernel, (experts, triton.cdiv(n, bk), triton.cdiv(k, bn)),
-            w, q, scales, col0, N=n, K=k, OUT_COLS=cols, BLOCK_N=bk, BLOCK_K=bn,
-            POWER_OF_TWO=fmt.power_of_two, TRANSPOSE=True, num_warps=8,
+        launch(quantize_weight_blocks_kernel, (experts, cdiv(n, bk), cdiv(k, bn)),
+            w, q, scales, col0, None, N=n, K=k, OUT_COLS=cols, BLOCK_N=bk, BLOCK_K=bn,
+            POWER_OF_TWO=fmt.power_of_two, TRANSPOSE=True, GATED=False, num_warps=8,
         )
         col0 += n
     return q, scales

@@ -11,6 +11,12 @@ to whole K steps of ``wgrad_kernel`` where a step spans several blocks). ``wgrad
 then runs the shared mainloop (``tile_gemm``) over that token range, one scale per A row
 and per B column per block, applied as the forward applies them (promoted, or in the MMA).
 
+``accumulate_wgrad`` adds a later round's rows (``backward``: a routing that overflows one
+receive window) to gradients round 0 computed: ``out[e] += A_e^T B_e`` over the rows of the
+round's receive layout, from the values as they crossed (e4m3 times its scales, or as they
+are), in fp32; the rows are not quantized along the tokens again. Its programs exit at
+once where their expert has no rows in the round.
+
 Native weight gradients that read the rows as they crossed quantized (``fp8_wgrad_bf16``)
 take torch's grouped GEMM on copies of them dequantized into the activation dtype
 (``dequantized_rows_kernel``). So do MX weight gradients where the tile row says so
@@ -19,9 +25,12 @@ the tokens and dequantized again, the values the scaled GEMM would multiply, whi
 holds exactly (power-of-two scales).
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from titan_megamoe.kernels.configs import INTERPRET
+from titan_megamoe.kernels.launch import cdiv, launch
 from titan_megamoe.kernels.layout import expert_of_row
 from titan_megamoe.kernels.mainloop import tile_gemm
 from titan_megamoe.kernels.quantize import mx_round_columns, quantize_columns
@@ -125,6 +134,26 @@ def token_major_kernel(
 
 
 @triton.jit
+def _tile_of_output(out, out2, expert, m0, n0, M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(pointers, mask)`` of the ``BLOCK_M x BLOCK_N`` tile ``(m0, n0)`` of expert ``expert``'s
+    ``[M, N]`` weight gradient: in ``out``, or, ``SPLIT_M`` > 0, rows below it in ``out
+    [experts, SPLIT_M, N]`` and the rest in ``out2 [experts, M - SPLIT_M, N]``."""
+    if SPLIT_M > 0:
+        tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")
+        if m0 < SPLIT_M:
+            target, rows_out, row0 = out, SPLIT_M, 0
+        else:
+            target, rows_out, row0 = out2, M - SPLIT_M, SPLIT_M
+    else:
+        target, rows_out, row0 = out, M, 0
+    rows = m0 + tl.arange(0, BLOCK_M) - row0
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < rows_out) & (cols[None, :] < N)
+    return target + expert.to(tl.int64) * rows_out * N + rows[:, None] * N + cols[None, :], mask
+
+
+@triton.jit
 def wgrad_kernel(
     a, a_scales, b, b_scales, out, out2, block_start,
     M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr, KT: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
@@ -142,21 +171,62 @@ def wgrad_kernel(
     k_start = tl.load(block_start + expert) * TOKEN_BLOCK
     k_end = tl.load(block_start + expert + 1) * TOKEN_BLOCK
     m_rows = m0 + tl.arange(0, BLOCK_M)
-    n_cols = n0 + tl.arange(0, BLOCK_N)
     acc = tile_gemm(
         a, a_scales, tl.minimum(m_rows, M - 1), b, b_scales, b2=None, b2_scale=None, expert=0, n0=n0, k_start=k_start,
         k_end=k_end, N=N, K=KT, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, TWO_B=False, SCALE_K=TOKEN_BLOCK,
         B_SCALE_N=1, MX_DOT=MX_DOT, QUANTIZE_A=0, UPCAST_DOT=UPCAST_DOT, B_N_MAJOR=False, B_K_SPLIT=0,
     )
-    if SPLIT_M > 0:
-        tl.static_assert(SPLIT_M % BLOCK_M == 0, "a tile must lie in one output")
-        if m0 < SPLIT_M:
-            target, rows_out, row0 = out, SPLIT_M, 0
-        else:
-            target, rows_out, row0 = out2, M - SPLIT_M, SPLIT_M
-    else:
-        target, rows_out, row0 = out, M, 0
-    local_rows = m_rows - row0
-    mask = (local_rows[:, None] < rows_out) & (n_cols[None, :] < N)
-    at = target + expert.to(tl.int64) * rows_out * N + local_rows[:, None] * N + n_cols[None, :]
-    tl.store(at, acc.to(target.dtype.element_ty), mask=mask)
+    at, mask = _tile_of_output(out, out2, expert, m0, n0, M=M, N=N, SPLIT_M=SPLIT_M, BLOCK_M=BLOCK_M,
+                               BLOCK_N=BLOCK_N)
+    tl.store(at, acc.to(at.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def accumulate_wgrad_kernel(
+    a, a_scales, b, b_scales, out, out2, local_base, local_rows,
+    M: tl.constexpr, N: tl.constexpr, SPLIT_M: tl.constexpr, A_SCALE_K: tl.constexpr, B_SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``out[e] += A_e^T B_e`` over local expert ``e``'s rows of the receive layout: ``a [rows,
+    M]``, ``b [rows, N]`` (e4m3 with one scale per ``*_SCALE_K`` columns, or as they are),
+    fp32 products added to the outputs' values. ``SPLIT_M`` as ``wgrad_kernel``'s. Program
+    ``(n, m, e)``: the ``BLOCK_M x BLOCK_N`` tile ``(m, n)`` of expert ``e``; it returns at once
+    where the expert has no rows."""
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    expert = tl.program_id(2)
+    count = tl.load(local_rows + expert)
+    if count > 0:
+        base = tl.load(local_base + expert)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, count, BLOCK_K):
+            offsets = k0 + tl.arange(0, BLOCK_K)
+            live = offsets < count
+            rows = base + offsets
+            at = _rows_as_fp32(a, a_scales, rows, m0, live, STRIDE=M, COLS=M, BLOCK=BLOCK_M, SCALE_K=A_SCALE_K)
+            bt = _rows_as_fp32(b, b_scales, rows, n0, live, STRIDE=N, COLS=N, BLOCK=BLOCK_N, SCALE_K=B_SCALE_K)
+            acc += tl.dot(tl.trans(at), bt)
+        at, mask = _tile_of_output(out, out2, expert, m0, n0, M=M, N=N, SPLIT_M=SPLIT_M, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N)
+        total = tl.load(at, mask=mask, other=0.0).to(tl.float32) + acc
+        tl.store(at, total.to(at.dtype.element_ty), mask=mask)
+
+
+ACCUMULATE_TILE = (16, 16, 16) if INTERPRET else (64, 64, 32)
+"""``(BLOCK_M, BLOCK_N, BLOCK_K)`` of ``accumulate_wgrad_kernel``: rows past a first window are
+rare, and these tiles keep its fp32 operands in registers."""
+
+
+def accumulate_wgrad(buffers, a: tuple, b: tuple, outs: tuple[torch.Tensor, ...]) -> None:
+    """``out[e] += A_e^T B_e`` over the rows of ``buffers``' current receive layout
+    (``accumulate_wgrad_kernel``). ``a``, ``b``: ``(rows, scales or None, columns per
+    scale)``; ``outs``: one ``[experts, M, N]``, or two splitting ``M`` in halves."""
+    (a_rows, a_scales, a_scale_k), (b_rows, b_scales, b_scale_k) = a, b
+    m_dim, n_dim = a_rows.shape[1], b_rows.shape[1]
+    block_m, block_n, block_k = ACCUMULATE_TILE
+    grid = (cdiv(n_dim, block_n), cdiv(m_dim, block_m), buffers.shape.local_experts)
+    launch(accumulate_wgrad_kernel, grid,
+        a_rows, a_scales, b_rows, b_scales, outs[0], outs[-1], buffers.local_base, buffers.local_rows,
+        M=m_dim, N=n_dim, SPLIT_M=m_dim // 2 if len(outs) == 2 else 0, A_SCALE_K=a_scale_k, B_SCALE_K=b_scale_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )

@@ -35,6 +35,7 @@ SUITE = "tests/gpu"
 GROUPS = {
     "kernels": ["test_gluon_gemm_gpu.py", "test_kernels_gpu.py", "test_failures_gpu.py",
                 "test_float32_jobs_gpu.py", "test_fused_training_gpu.py", "test_reference_gpu.py"],
+    "host": ["test_host_gpu.py"],
     "fused_one": ["test_fused_gpu.py::test_one_gpu"],
     "fused_rest": ["test_fused_gpu.py"],
     "virtual_routings": ["test_virtual_ranks.py::test_virtual_ranks"],

@@ -147,10 +147,12 @@ def compile_instead_of_launching(records: list[dict], capability: int) -> None:
 
 def run_fused(precision_name: str, shape: str, arch: str) -> None:
     """One forward and backward of each kind (GEMM1 saved or recomputed, score before or
-    after the experts) on CPU tensors, through the fused backend's host code."""
+    after the experts), and one in several rounds, on CPU tensors, through the fused
+    backend's host code."""
     from titan_megamoe.kernels.backward import GradBuffers, fused_backward
+    from titan_megamoe.kernels.buffers import ForwardBuffers, ForwardShape
     from titan_megamoe.kernels.configs import tile_config
-    from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape
+    from titan_megamoe.kernels.forward import fused_forward, preact_shape
     from titan_megamoe.precision import get_precision
 
     layer = SHAPES[shape]
@@ -163,28 +165,30 @@ def run_fused(precision_name: str, shape: str, arch: str) -> None:
     def symmetric(size, dtype):
         return torch.zeros(size, dtype=dtype), torch.zeros(EP, dtype=torch.int64)
 
-    fshape = ForwardShape(ep=EP, rank=0, capacity_tokens_per_rank=TOKENS_PER_RANK, top_k=top_k,
-                          local_experts=local, hidden=hidden, inter=inter, dtype=torch.bfloat16,
-                          row_format=precision.forward, native_resend=precision.backward_resends_native)
-    buffers = ForwardBuffers(fshape, tiles, torch.device("cpu"), symmetric)
-    grad = GradBuffers(buffers, symmetric, precision, grad_tiles)
     x = torch.randn(TOKENS_PER_RANK, hidden, dtype=torch.bfloat16)
     idx = torch.randint(0, layer.experts, (TOKENS_PER_RANK, top_k))
     scores = torch.rand(TOKENS_PER_RANK, top_k)
     w1, w3 = (torch.randn(local, inter, hidden, dtype=torch.bfloat16) for _ in range(2))
     w2 = torch.randn(local, hidden, inter, dtype=torch.bfloat16)
-    for save in (True, False):
-        for score_before in (False, True):
+    # Buffers that hold every routing (one round a call), then a window of half the mean
+    # rows: the later rounds' launches compile too (the weight gradients they add), with
+    # half the mean rows saved and with every row saved (no row recomputed).
+    for receive_load, kinds in ((0.0, [(0.5, False), (0.5, True), (0.0, False), (0.0, True)]),
+                                (0.5, [(0.5, False), (4.0, False)])):
+        fshape = ForwardShape(ep=EP, rank=0, capacity_tokens_per_rank=TOKENS_PER_RANK, top_k=top_k,
+                              local_experts=local, hidden=hidden, inter=inter, dtype=torch.bfloat16,
+                              row_format=precision.forward, native_resend=precision.backward_resends_native,
+                              receive_load=receive_load)
+        buffers = ForwardBuffers(fshape, tiles, torch.device("cpu"), symmetric)
+        grad = GradBuffers(buffers, symmetric, precision, grad_tiles)
+        for save_load, score_before in kinds:
             # Half the mean load saved: the backward's launch for the rows past them compiles
-            # too. The backward consumes them: one per call.
-            saved = torch.empty(preact_shape(fshape, tiles, 0.5, TOKENS_PER_RANK), dtype=torch.bfloat16) if save else None
-            # No kernel runs: the record the layout kernel writes, which the forward and its
-            # backward read, is written here, every row the receive buffer holds, so every launch compiles.
-            received = buffers.recv.shape[0] - tiles.block_m
-            buffers.publish_received(buffers.calls + 1, received, received, [received // local] * local)
-            _, _, routing, call = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
-                                                PROGRAMS, 10.0, preact=saved)
-            fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, call, buffers, grad, score_before,
+            # too. The backward consumes them: one per call. No kernel runs.
+            saved = (torch.empty(preact_shape(fshape, tiles, save_load, TOKENS_PER_RANK), dtype=torch.bfloat16)
+                     if save_load else None)
+            _, _, routing = fused_forward(x, idx, scores, w1, w2, w3, buffers, score_before, COMM_PROGRAMS,
+                                          PROGRAMS, 10.0, preact=saved)
+            fused_backward(x, x, idx, scores, w1, w2, w3, saved, routing, buffers, grad, score_before,
                            COMM_PROGRAMS, PROGRAMS, 10.0)
 
 

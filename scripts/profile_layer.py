@@ -5,8 +5,7 @@
 Random routing (softmax of random logits, top-k), EP = every rank, `--precision`. Prints, on rank
 0, each kernel's mean time per call, the wall time per call, and how long the host took
 to issue a call (calls are issued back to back: a host time near the wall time means the
-GPU waits for the host; a backward's wait for the GPU to run its forward's layout kernel
-is left out), for every ``--comm-sms``
+GPU waits for the host), for every ``--comm-sms``
 value and every ``--tiles`` variant of the SM90 tile table (e.g.
 ``--tiles "" "gemm2_n=128,gemm2_stages=4"``: the table as is, then with those fields
 changed). ``--backward`` times forward + backward (the kernels of both passes; the
@@ -18,8 +17,9 @@ again for the backward, at that peak) over the wall time. Writes ``profile_layer
 
 ``--host`` also times each variant without the profiler (which slows the host): the wall
 time per call, and the host's time to issue one with the GPU held busy beforehand (so the
-host never waits for it), and writes Python's profile of those calls (the functions that
-take the host's time, backward included) to ``host_profile.txt``.
+host is never held up by it; the times it waited for the device anyway are counted), and
+writes Python's profile of those calls (the functions that take the host's time, backward
+included) to ``host_profile.txt``.
 
 ``--memory`` records the caching allocator's history over one call and prints the peak,
 what was allocated before the call began (inputs, weights, the operator's local buffers),
@@ -37,6 +37,7 @@ import pstats
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,7 +47,6 @@ from torch.profiler import ProfilerActivity, profile
 from titan_megamoe import fused
 from titan_megamoe.fused_support import describe_mma, runs_fp8_mma
 from titan_megamoe.kernels import configs
-from titan_megamoe.kernels.backward import runs_library_wgrad
 from titan_megamoe.ops import mega_moe
 from titan_megamoe.precision import PRECISION_CHOICES, get_precision
 from titan_megamoe.settings import DEFAULT_SAVE_GEMM1_LOAD, OperatorSettings
@@ -71,14 +71,11 @@ GRAD1_KERNEL_NAMES = {"tl": "dispatch_grad_gemm1_kernel", "gluon": "swiglu_grad_
 
 
 def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: bool,
-                library_wgrad: tuple[bool, bool] = (False, False),
                 rows_kernels: tuple[str, str] = ("tl", "tl"), wgrad_kernel: str = "tl",
                 gemm1_kernel: str = "tl", grad1_kernel: str = "tl") -> dict[str, int]:
     """Expert-GEMM FLOPs per call of each fused GEMM kernel for ``rows`` received rows
     (what its mainloops compute; a recomputed GEMM1 counts); bf16's weight gradients run
-    in torch's grouped GEMMs, which the table does not name, and so do the quantized
-    weight gradients (dW1 with dW3, dW2) that ``library_wgrad`` says run torch's
-    blockwise-scaled matmul (``backward.runs_library_wgrad``). ``rows_kernels``: the
+    in torch's grouped GEMMs, which the table does not name. ``rows_kernels``: the
     implementations of GEMM2 and dgrad (``TileConfig.gemm2_kernel``, ``.dgrad_kernel``),
     ``wgrad_kernel`` the weight gradients' (``TileConfig.wgrad_kernel``), ``gemm1_kernel``
     and ``grad1_kernel`` GEMM1's and the backward's first kernel's (which runs the Gluon
@@ -90,9 +87,7 @@ def stage_flops(rows: int, hidden: int, inter: int, backward: bool, save_gemm1: 
         flops[dgrad] = flops.get(dgrad, 0) + 2 * unit  # dgrad: [da | db] [W1 | W3]^T
         grad1 = GRAD1_KERNEL_NAMES[grad1_kernel if save_gemm1 else "tl"]
         flops[grad1] = unit + (0 if save_gemm1 else 2 * unit)
-        library_dw13, library_dw2 = library_wgrad
-        if not (library_dw13 and library_dw2):
-            flops[WGRAD_KERNEL_NAMES[wgrad_kernel]] = (0 if library_dw13 else 2 * unit) + (0 if library_dw2 else unit)
+        flops[WGRAD_KERNEL_NAMES[wgrad_kernel]] = 3 * unit
     return flops
 
 
@@ -119,13 +114,68 @@ GPU_HOLD_CYCLES = 2_000_000_000
 it issues its calls."""
 
 
-def host_times(call, iters: int) -> tuple[float, float, str]:
-    """``(wall ms per call, host ms to issue one, the host profile's top lines)`` without
-    the PyTorch profiler. The host is timed while the GPU sleeps through work issued
-    first; the backward runs on the calling thread, so that Python's profiler sees it. A
-    backward waits for the GPU to run its forward's layout kernel (the rows it received
-    size its buffers): that wait is not the host's time to issue the call and is left out
-    (``fused.received_wait_s``)."""
+HOST_STAGES = {
+    "operator (autograd, custom ops, settings)": ("titan_megamoe.ops", "mega_moe"),
+    "fused forward": ("titan_megamoe.kernels.forward", "fused_forward"),
+    "fused backward": ("titan_megamoe.kernels.backward", "fused_backward"),
+    "routing sort": ("titan_megamoe.kernels.forward", "sort_rows"),
+    "weights quantized / transposed": ("titan_megamoe.kernels.quantize", "quantize_weights"),
+    "weights quantized transposed": ("titan_megamoe.kernels.transpose", "quantize_transposed"),
+    "weights transposed": ("titan_megamoe.kernels.transpose", "transposed_side_by_side"),
+    "rows quantized": ("titan_megamoe.kernels.quantize", "quantize_rows"),
+    "Gluon GEMM1": ("titan_megamoe.kernels.gluon.sm90.gate_up_gemm", "gate_up_gemm"),
+    "Gluon rows GEMMs": ("titan_megamoe.kernels.gluon.sm90.grouped_gemm", "grouped_gemm"),
+    "Gluon backward first GEMM": ("titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm", "swiglu_grad_gemm"),
+    "Gluon weight gradients": ("titan_megamoe.kernels.gluon.sm90.token_grouped_gemm", "token_grouped_gemm"),
+    "token-major copies": ("titan_megamoe.kernels.backward", "_token_major"),
+    "round 0 weight gradients": ("titan_megamoe.kernels.backward", "_first_round_wgrad"),
+    "Triton launches": ("titan_megamoe.kernels.launch", "launch"),
+}
+"""What ``--host`` times apart, inclusive of what each calls (a launch inside a Gluon
+wrapper counts in both): a stage name -> (module, function), wrapped wherever the package
+refers to it."""
+
+
+@contextmanager
+def timed_stages(stages: dict[str, tuple[str, str]]):
+    """Inside, every reference the package's modules hold to each stage's function calls a
+    wrapper that adds its wall time (outermost calls only) into the yielded dict (seconds)."""
+    import importlib
+
+    totals = {name: 0.0 for name in stages}
+    patched = []
+    for name, (module_name, attr) in stages.items():
+        original = getattr(importlib.import_module(module_name), attr)
+        depth = [0]
+
+        def timed(*args, _original=original, _name=name, _depth=depth, **kwargs):
+            _depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _depth[0] -= 1
+                if _depth[0] == 0:
+                    totals[_name] += time.perf_counter() - start
+
+        for module in [m for key, m in list(sys.modules.items()) if key.startswith("titan_megamoe") and m]:
+            for key, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, key, timed)
+                    patched.append((module, key, original))
+    try:
+        yield totals
+    finally:
+        for module, key, original in patched:
+            setattr(module, key, original)
+
+
+def host_times(call, iters: int) -> tuple[float, float, int, str]:
+    """``(wall ms per call, host ms to issue one, the host's waits for the device, the host
+    profile's top lines)`` without the PyTorch profiler. The host is timed while the GPU
+    sleeps through work issued first (so it never waits for the GPU unless a call makes
+    it: ``fused.record_waits``, counted); the backward runs on the calling thread, so that
+    Python's profiler sees it."""
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -135,13 +185,25 @@ def host_times(call, iters: int) -> tuple[float, float, str]:
     end.record()
     torch.cuda.synchronize()
     wall_ms = start.elapsed_time(end) / iters
+    text = io.StringIO()
     with torch.autograd.set_multithreading_enabled(False):
         torch.cuda._sleep(GPU_HOLD_CYCLES)
-        waited = fused.received_wait_s()
+        with timed_stages(HOST_STAGES) as stages:
+            for _ in range(iters):
+                call()
+        torch.cuda.synchronize()
+        text.write("host time by stage, inclusive, ms per call (timers add a few us per wrapped call):")
+        for name, seconds in stages.items():
+            if seconds:
+                text.write(f"\n  {seconds * 1e3 / iters:8.3f}  {name}")
+        text.write("\n\n")
+        torch.cuda._sleep(GPU_HOLD_CYCLES)
+        waits = fused.record_waits()[0]
         issued = time.perf_counter()
         for _ in range(iters):
             call()
-        issued = time.perf_counter() - issued - (fused.received_wait_s() - waited)
+        issued = time.perf_counter() - issued
+        waits = fused.record_waits()[0] - waits
         host_ms = issued * 1e3 / iters
         torch.cuda.synchronize()
         torch.cuda._sleep(GPU_HOLD_CYCLES)
@@ -151,11 +213,10 @@ def host_times(call, iters: int) -> tuple[float, float, str]:
             call()
         profiler.disable()
         torch.cuda.synchronize()
-    text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)
-    return wall_ms, host_ms, text.getvalue()
+    return wall_ms, host_ms, waits, text.getvalue()
 
 
 def memory_lines(memory: dict) -> list[str]:
@@ -298,9 +359,6 @@ def main():
         rows = int(received.sum())
         hidden, inter = SHAPES[args.shape].hidden, SHAPES[args.shape].inter
         grad_tiles = configs.TILE_CONFIGS[arch, precision.dgrad.name]
-        per_expert = tuple(received.tolist())
-        library = (runs_library_wgrad(grad_tiles, per_expert, 2 * inter, hidden),
-                   runs_library_wgrad(grad_tiles, per_expert, hidden, inter))
 
         for _ in range(2):
             call()
@@ -309,11 +367,11 @@ def main():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             start.record()
-            waited = fused.received_wait_s()
+            waited = fused.record_waits()[1]
             issued = time.perf_counter()
             for _ in range(args.iters):
                 call()
-            issued = time.perf_counter() - issued - (fused.received_wait_s() - waited)
+            issued = time.perf_counter() - issued - (fused.record_waits()[1] - waited)
             end.record()
             torch.cuda.synchronize()
         kernels = defaultdict(float)
@@ -321,14 +379,14 @@ def main():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[e.name[:60]] += e.device_time / args.iters / 1e3
         results[label] = {"wall_ms": start.elapsed_time(end) / args.iters, "host_ms": issued * 1e3 / args.iters,
-                          "kernels_ms": dict(kernels), "library_wgrad": library,
+                          "kernels_ms": dict(kernels),
                           "rows_kernels": (configs.TILE_CONFIGS[arch, precision.forward.name].gemm2_kernel,
                                            grad_tiles.dgrad_kernel), "wgrad_kernel": grad_tiles.wgrad_kernel,
                           "gemm1_kernel": configs.TILE_CONFIGS[arch, precision.forward.name].gemm1_kernel,
                           "grad1_kernel": grad_tiles.grad1_kernel}
         if args.host:
-            wall_ms, host_ms, host_profiles[label] = host_times(call, args.iters)
-            results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms)
+            wall_ms, host_ms, waits, host_profiles[label] = host_times(call, args.iters)
+            results[label].update(unprofiled_wall_ms=wall_ms, unprofiled_host_ms=host_ms, host_waits=waits)
         if args.memory:
             _, memory = memory_at_peak(call)
             memory.update(fused.held_bytes(x, rest[0], rest[2], group, settings))
@@ -336,9 +394,8 @@ def main():
     configs.TILE_CONFIGS.update(tables)  # the log line below describes the table as it is
     if rank == 0:
         for r in results.values():
-            r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["library_wgrad"],
-                                           r["rows_kernels"], r["wgrad_kernel"], r["gemm1_kernel"],
-                                           r["grad1_kernel"])
+            r["stage_flops"] = stage_flops(rows, hidden, inter, args.backward, args.save_gemm1, r["rows_kernels"],
+                                           r["wgrad_kernel"], r["gemm1_kernel"], r["grad1_kernel"])
         roofline = roofline_ms(rows, hidden, inter, args.backward, peak) if peak else None
         print(f"{args.precision} on {arch}: {describe_mma(arch, precision)}")
         print(f"{rows} rows received on rank 0; {'fp8' if fp8_mma else 'bf16'} matmul peak "
@@ -351,7 +408,9 @@ def main():
                   f"{share}, {sum(r['kernels_ms'].values()):.3f} ms of kernels, the host issued a call in {r['host_ms']:.3f} ms")
             if "unprofiled_wall_ms" in r:
                 print(f"    without the profiler: {r['unprofiled_wall_ms']:.3f} ms per call, the host issued "
-                      f"one in {r['unprofiled_host_ms']:.3f} ms (GPU held busy)")
+                      f"one in {r['unprofiled_host_ms']:.3f} ms (GPU held busy), waiting for the device "
+                      f"{r['host_waits']} times")
+                print("    " + host_profiles[label].split("\n\n", 1)[0].replace("\n", "\n    "))
             print("\n".join(kernel_lines(r["kernels_ms"], r["stage_flops"], peak)))
             if "memory" in r:
                 print("\n".join(memory_lines(r["memory"])))

@@ -2,9 +2,10 @@
 ``titan_megamoe.kernels``.
 
 Buffers are allocated once per (group, shape, precision, tiles) and reused by every
-layer and step (those with a row per received row grow when a call brings more than
-``settings.receive_load`` sized them for); the first forward and the first backward of
-each log their size. With a capacity (required when EP > 1) the shape is fixed; a single
+layer and step; the first forward and the first backward of each log their size. Their
+receive window holds ``settings.receive_load`` times the mean rows a rank receives: a call
+whose routing brings more runs the rows past it in further rounds through the same
+buffers (``kernels.buffers``), and the window grows for later calls. With a capacity (required when EP > 1) the shape is fixed; a single
 rank without one sizes its buffers for the call's tokens and replaces them when a call
 brings another count, so memory does not grow with every new token count. Per layer, the backward keeps the op's
 inputs and the forward's routing (4 bytes per routed row: the backward does not sort the
@@ -17,12 +18,14 @@ What a call needs besides its tensors (the buffers, the program counts, the save
 pre-activations' shape) is resolved at the first call of its kind and looked up after
 (``CallPlan``): at small token counts the layer is bound by the host's time per call.
 
-A failure on the device (a peer past the deadline: ``kernels.sync``) stops every rank's
-kernels; this module prints its message on stderr as soon as it is recorded and raises it
-at every later call, since the error PyTorch raises for the stopped kernels names
-nothing. An expert id out of range stops nothing: the call's kernels do nothing and its
-forward, or its backward, raises ``ValueError`` naming the id on every rank
-(``kernels.forward.fused_forward``).
+The host never waits for the device (``kernels.sync``). A failure on the device (a peer
+past the deadline) stops every rank's kernels; this module prints its message on stderr
+as soon as it is recorded and raises it at every later call, since the error PyTorch
+raises for the stopped kernels names nothing. An expert id out of range stops nothing: it
+poisons the buffers, so that the call's outputs and those of every call made before the
+host finds it are NaN, and the first call whose host finds the record raises
+``ValueError`` naming the id, on every rank (the message is printed on stderr as soon as
+it is recorded too).
 """
 
 import atexit
@@ -37,8 +40,9 @@ import torch
 
 from titan_megamoe import fused_support, symm
 from titan_megamoe.kernels.backward import GradBuffers, fused_backward, per_call_bytes, preact_released
+from titan_megamoe.kernels.buffers import ForwardBuffers, ForwardShape
 from titan_megamoe.kernels.configs import INTERPRET, TileConfig, tile_config
-from titan_megamoe.kernels.forward import ForwardBuffers, ForwardShape, fused_forward, preact_shape, routing_numel
+from titan_megamoe.kernels.forward import fused_forward, preact_shape, routing_numel
 from titan_megamoe.precision import Format
 from titan_megamoe.settings import OperatorSettings
 
@@ -114,6 +118,11 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
     held = _BUFFERS.get(key)
     if held is not None and held.shape == shape:
         return held
+    if held is not None and held.frozen:
+        raise ValueError(
+            f"mega_moe fused: a call of {shape.capacity_tokens_per_rank} tokens on buffers sized for "
+            f"{held.shape.capacity_tokens_per_rank}, which a CUDA graph captured and so cannot change: set "
+            "capacity_tokens_per_rank to the most tokens a call passes")
     if held is not None:  # a single rank's call with another token count: replace, do not accumulate
         del _BUFFERS[key]
         _GRAD_BUFFERS.pop(id(held), None)
@@ -128,9 +137,10 @@ def _buffers(group: symm.Group, device: torch.device, shape: ForwardShape, setti
         f"{fused_support.describe_mma(target, settings.precision)}; "
         f"buffers for {shape.capacity_tokens_per_rank} tokens/rank x top-{shape.top_k}, "
         f"hidden {shape.hidden}, EP {shape.ep}: {buffers.symmetric_bytes / 2**30:.2f} GiB symmetric + "
-        f"{buffers.local_bytes / 2**30:.2f} GiB local ({shape.receive_rows(tiles)} receive rows of the "
-        f"{shape.most_receive_rows(tiles)} any routing can bring: receive_load {settings.receive_load}, "
-        f"grown when a call brings more); saving GEMM1's pre-activations would keep "
+        f"{buffers.local_bytes / 2**30:.2f} GiB local (a receive window of {buffers.window} rows, receive_load "
+        f"{settings.receive_load}: a call runs {buffers.rounds} round(s), which hold the "
+        f"{shape.most_receive_rows(tiles) - tiles.block_m} rows any routing can bring; it grows when a call "
+        f"brings more than one window); saving GEMM1's pre-activations would keep "
         f"{rows * cols * shape.dtype.itemsize / 2**30:.2f} GiB per layer ({rows} rows: save_gemm1_load "
         f"{settings.save_gemm1_load})"
     )
@@ -178,6 +188,21 @@ def failures() -> list[str]:
     return [message for b in list(_BUFFERS.values()) if (message := b.failure()) is not None]
 
 
+def raise_pending() -> None:
+    """Raise what the device recorded and no call has raised yet, on any buffer set: a
+    failure (``RuntimeError``) or a bad expert id (``ValueError``, acknowledged as a call
+    would). Every call does this before it launches; a program that replays CUDA graphs,
+    which run no host code, calls it to learn of a bad id in a replay (the replay's
+    outputs are NaN)."""
+    for buffers in list(_BUFFERS.values()):
+        buffers.raise_pending()
+
+
+def pending_bad_ids() -> list[str]:
+    """Messages of the bad expert ids recorded and not yet raised (host memory only)."""
+    return [message for b in list(_BUFFERS.values()) if (message := b.bad_id_message()) is not None]
+
+
 REPORT_INTERVAL_S = 0.05
 """How often the reporting thread reads the failure records."""
 
@@ -188,17 +213,18 @@ _reporting = False
 
 def _report_new_failures() -> None:
     with _report_lock:
-        for message in failures():
+        for message in failures() + pending_bad_ids():
             if message not in _reported:
                 _reported.add(message)
                 print(message, file=sys.stderr, flush=True)
 
 
 def _start_reporting() -> None:
-    """Print each device-side failure on stderr as soon as it is recorded (a daemon thread
-    reads the records every ``REPORT_INTERVAL_S``), and at exit. Raising at the next call
-    is not enough: another thread that meets the lost CUDA context first, such as NCCL's
-    watchdog, aborts the process, and the error PyTorch reports names nothing."""
+    """Print each device-side failure and bad expert id on stderr as soon as it is recorded
+    (a daemon thread reads the records every ``REPORT_INTERVAL_S``), and at exit. Raising at
+    the next call is not enough: another thread that meets the lost CUDA context first,
+    such as NCCL's watchdog, aborts the process, and the error PyTorch reports names
+    nothing; and a bad id is raised only once the host finds it, which may be a later call."""
     global _reporting
     if _reporting:
         return
@@ -213,11 +239,13 @@ def _start_reporting() -> None:
     threading.Thread(target=poll, name="mega_moe-failure-report", daemon=True).start()
 
 
-def received_wait_s() -> float:
-    """Host seconds calls have spent so far waiting for the device to run a forward's
-    layout kernel (``ForwardBuffers.received_rows``: a forward its own, a backward its
-    forward's), over every buffer set."""
-    return sum(b.received_wait_s for b in list(_BUFFERS.values()))
+def record_waits() -> tuple[int, float]:
+    """``(waits, seconds)``: how often, and how long in all, calls so far waited for the
+    device to write a received-rows record (``kernels.records``: only a host running
+    ``GROWTH_LAG`` calls ahead of its GPU on buffers that may grow ever does), over every
+    buffer set."""
+    held = list(_BUFFERS.values())
+    return sum(b.records.waits for b in held), sum(b.records.wait_s for b in held)
 
 
 def _symmetric_bytes(buffers: ForwardBuffers) -> int:
@@ -316,14 +344,12 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
 
 
 def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before_experts: bool,
-                settings: OperatorSettings, backward_reads_record: bool = False) -> tuple[torch.Tensor, ...]:
-    """``(y, tokens per local expert, saved pre-activations, routing, call)``; ``call``:
-    the call's number on its buffers, an int64 scalar in host memory.
-    ``backward_reads_record``: autograd will run this call's backward (``fused_forward``)."""
+                settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+    """``(y, tokens per local expert, saved pre-activations, routing)``."""
     plan = _plan(x, topk_idx, w1, group, settings)
     buffers = plan.buffers
     preact = x.new_empty(_saved_preact_shape(buffers.shape, buffers.tiles, settings, x.shape[0]))
-    y, tokens_per_expert, routing, call = fused_forward(
+    y, tokens_per_expert, routing = fused_forward(
         *(t.contiguous() for t in (x, topk_idx, topk_w, w1, w2, w3)),
         buffers,
         score_before_experts,
@@ -331,16 +357,14 @@ def moe_forward(x, topk_idx, topk_w, w1, w2, w3, group: symm.Group, score_before
         plan.num_programs,
         settings.timeout_s,
         preact=preact if settings.save_gemm1 else None,
-        backward_reads_record=backward_reads_record,
     )
-    return y, tokens_per_expert, preact, routing, torch.tensor(call, dtype=torch.int64)
+    return y, tokens_per_expert, preact, routing
 
 
 def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routing: torch.Tensor,
-                 call: torch.Tensor, group: symm.Group, score_before_experts: bool,
-                 settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
-    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved``, ``routing`` and ``call`` as the forward
-    returned them. The backward consumes ``saved``; a second backward over the same graph
+                 group: symm.Group, score_before_experts: bool, settings: OperatorSettings) -> tuple[torch.Tensor, ...]:
+    """``(dx, d_topk_w, dw1, dw2, dw3)``; ``saved`` and ``routing`` as the forward returned
+    them. The backward consumes ``saved``; a second backward over the same graph
     (``retain_graph``) recomputes GEMM1 instead. The kernels compute the weight gradients
     in the activations' dtype: float32 weights get them cast, as their own copies' would be."""
     plan = _plan(x, topk_idx, w1, group, settings)
@@ -348,7 +372,6 @@ def moe_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved: torch.Tensor, routi
         *(t.contiguous() for t in (dy, x, topk_idx, topk_w, w1, w2, w3)),
         saved if settings.save_gemm1 and not preact_released(saved) else None,
         routing,
-        int(call),
         plan.buffers,
         _grad_buffers(group, plan.buffers, settings),
         score_before_experts,

@@ -38,19 +38,16 @@ Unsupported = Callable[[torch.device, torch.dtype, Precision, bool], str | None]
 class OpImpl:
     """What the custom ops run for one backend.
 
-    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings,
-    backward_reads_record) -> (y, tokens per local expert, saved, routing, call)``, where
-    ``backward_reads_record`` says that autograd will run the call's backward (the fused
-    forward then leaves its host-side checks to it, ``fused.moe_forward``);
-    ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group,
-    score_before_experts, settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved``,
-    ``routing`` and ``call`` are what the forward kept for it (GEMM1's pre-activations, or
-    0 rows; the rows' order by expert, int32, or 0 elements; the forward's number among
-    the backend's calls, an int64 scalar in host memory, or 0);
+    ``forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings) ->
+    (y, tokens per local expert, saved, routing)``;
+    ``backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group,
+    score_before_experts, settings) -> (dx, d_topk_w, dw1, dw2, dw3)``, where ``saved`` and
+    ``routing`` are what the forward kept for it (GEMM1's pre-activations, or 0 rows; the
+    rows' order by expert, int32, or 0 elements);
     ``saved_shapes(x, topk_idx, w1, group, settings)`` are their shapes (for fake tensors).
     """
 
-    forward: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]
+    forward: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, ...]]
     saved_shapes: Callable[..., tuple[tuple[int, int], tuple[int]]]
 
@@ -77,17 +74,15 @@ def _nothing_saved(x, topk_idx, w1, group, settings) -> tuple[tuple[int, int], t
     return (0, 2 * w1.shape[1]), (0,)
 
 
-def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings,
-                       backward_reads_record):
+def _reference_forward(x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings):
     y, tokens_per_expert = reference.moe_forward(
         x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision
     )
     saved, routing = _nothing_saved(x, topk_idx, w1, group, settings)
-    return (y, tokens_per_expert, x.new_empty(saved), x.new_empty(routing, dtype=torch.int32),
-            torch.zeros((), dtype=torch.int64))
+    return y, tokens_per_expert, x.new_empty(saved), x.new_empty(routing, dtype=torch.int32)
 
 
-def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group, score_before_experts,
+def _reference_backward(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group, score_before_experts,
                         settings):
     return reference.moe_backward(
         dy, x, topk_idx, topk_w, w1, w2, w3, group, score_before_experts, settings.precision,
@@ -207,20 +202,17 @@ def moe_forward(
     group_name: str,
     score_before_experts: bool,
     settings: str,
-    backward_reads_record: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     decoded = OperatorSettings.decode(settings)
-    return _op(decoded).forward(
-        x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded, backward_reads_record
-    )
+    return _op(decoded).forward(x, topk_idx, topk_w, w1, w2, w3, _group(group_name), score_before_experts, decoded)
 
 
 @moe_forward.register_fake
-def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings, backward_reads_record):
+def _(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
     decoded = OperatorSettings.decode(settings)
     saved, routing = _op(decoded).saved_shapes(x, topk_idx, w1, _group(group_name), decoded)
     return (torch.empty_like(x), x.new_empty((w1.shape[0],), dtype=torch.int64), x.new_empty(saved),
-            x.new_empty(routing, dtype=torch.int32), torch.empty((), dtype=torch.int64, device="cpu"))
+            x.new_empty(routing, dtype=torch.int32))
 
 
 @torch.library.custom_op("titan_megamoe::moe_backward", mutates_args=())
@@ -234,19 +226,18 @@ def moe_backward(
     w3: Tensor,
     saved: Tensor,
     routing: Tensor,
-    call: Tensor,
     group_name: str,
     score_before_experts: bool,
     settings: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     decoded = OperatorSettings.decode(settings)
     return _op(decoded).backward(
-        dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, _group(group_name), score_before_experts, decoded
+        dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, _group(group_name), score_before_experts, decoded
     )
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, call, group_name, score_before_experts, settings):
+def _(dy, x, topk_idx, topk_w, w1, w2, w3, saved, routing, group_name, score_before_experts, settings):
     return tuple(torch.empty_like(t) for t in (x, topk_w, w1, w2, w3))
 
 
@@ -259,12 +250,11 @@ class _MoEFunction(torch.autograd.Function):
     v26)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings,
-                backward_reads_record):
-        y, tokens_per_local_expert, saved, routing, call = torch.ops.titan_megamoe.moe_forward(
-            x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings, backward_reads_record
+    def forward(ctx, x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings):
+        y, tokens_per_local_expert, saved, routing = torch.ops.titan_megamoe.moe_forward(
+            x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, settings
         )
-        ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, saved, routing, call)
+        ctx.save_for_backward(x, topk_idx, topk_w, w1, w2, w3, saved, routing)
         ctx.mark_non_differentiable(tokens_per_local_expert)
         ctx.set_materialize_grads(False)
         ctx.group_name = group_name
@@ -275,11 +265,11 @@ class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _d_tokens_per_local_expert):
         if dy is None:  # no gradient reached y (gradients are not materialized): none flows on
-            return (None,) * 10
+            return (None,) * 9
         dx, d_topk_w, dw1, dw2, dw3 = torch.ops.titan_megamoe.moe_backward(
             dy.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.score_before_experts, ctx.settings
         )
-        return dx, None, d_topk_w, dw1, dw2, dw3, None, None, None, None
+        return dx, None, d_topk_w, dw1, dw2, dw3, None, None, None
 
 
 SAVE_LIST_OPS = (torch.ops.titan_megamoe.moe_forward.default,)
@@ -440,10 +430,11 @@ def mega_moe(
     Returns:
         ``y [T, H]`` and the rows received per local expert (int64, stays on the device).
 
-    An expert id outside ``[0, E)`` raises ``ValueError`` naming it (on the fused backend,
-    on every rank of ``group``): from the forward, or, where autograd tracks ``y``, from
-    its backward (or the next forward, if no backward runs first), so that the fused
-    forward need not wait for the device.
+    An expert id outside ``[0, E)`` raises ``ValueError`` naming it. The reference backend
+    raises from the call that holds it. The fused backend never waits for the device: the
+    id poisons its buffers, the call's outputs (and those of any call made before the host
+    finds it) are NaN, and the first later call whose host finds the record raises, on
+    every rank of ``group`` (``kernels.sync``).
     """
     check_inputs(x, topk_idx, topk_w, w1, w2, w3)
     ep = 1 if group is None else group.size()
@@ -453,6 +444,4 @@ def mega_moe(
         _check_settings(settings, x, w1, ep)
         encoded = settings.encode()
     group_name = "" if group is None else group.group_name
-    backward_reads_record = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_w, w1, w2, w3))
-    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, encoded,
-                              backward_reads_record)
+    return _MoEFunction.apply(x, topk_idx, topk_w, w1, w2, w3, group_name, score_before_experts, encoded)

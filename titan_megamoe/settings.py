@@ -57,13 +57,12 @@ class OperatorSettings:
     what each layer keeps."""
     receive_load: float = DEFAULT_RECEIVE_LOAD
     """Fused: the buffers with a row per received row (the receive buffers of the expert
-    inputs and of the output gradients, ``h``) first hold this multiple of the rows a rank
-    receives on average (tokens x top-k), at most every row any routing can bring (EP x
-    the mean); 0 = that most. Where they hold fewer, each forward, its kernels queued,
-    reads on the host its layout kernel's count of the most rows any rank receives; where
-    they did not fit, that run did nothing, and every rank grows them alike (collectively;
-    logged) and runs the forward again: no routing drops a row
-    (``kernels.forward.ForwardBuffers.grow_to_fit``)."""
+    inputs and of the output gradients, ``h``, the backward's per-row buffers) hold a
+    window of this multiple of the rows a rank receives on average (tokens x top-k), at
+    most every row any routing can bring (EP x the mean); 0 = that most. A call whose
+    routing brings a rank more runs those rows in further rounds through the same buffers
+    (no row is dropped, the host waits for nothing), and the window grows for later calls
+    (collectively, logged; ``kernels.buffers``)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Fused: wall-clock limit of any wait on a peer; past it every rank raises."""
 

@@ -10,9 +10,9 @@ behind the same interface.
 symmetric memory refuses two processes on one GPU): each virtual rank's buffers are its
 own allocations, its peers' addresses are those of the other ranks' allocations, each rank
 launches on its own stream, and each gets ``1 / ep`` of the GPU's SMs, so that every rank's
-spinning programs are resident at once. Every forward waits on the host for its layout's
-record (``ForwardBuffers.received_rows``), so each rank's calls must be made from a thread
-of its own.
+spinning programs are resident at once. Each rank's calls are made from a thread of its
+own: a rank's allocations (and growth, ``kernels.buffers``) synchronise the device, which
+must not happen while another rank's thread has not yet launched what this one waits for.
 It exists to exercise the layouts and the flag protocol at EP = 4 and 8 where fewer GPUs
 are at hand (and, on the CPU under the Triton interpreter, a rank that never arrives).
 """
@@ -24,7 +24,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from titan_megamoe.kernels.forward import SymmetricAllocator
+from titan_megamoe.kernels.buffers import SymmetricAllocator
 
 
 class VirtualGroup:

@@ -123,10 +123,6 @@ def test_tile_rows_meet_the_kernels_constraints():
         # Rows rounded along the tokens in the receive layout: a token block per program.
         assert not tiles.mx_wgrad_dequantized or (
             fmt.scaled_mma and tiles.row_align % fmt.activation_block[1] == 0), row
-        # torch's blockwise-scaled matmul takes 1 x 128 fp32 scales (``_library_wgrad``),
-        # and runs on GPUs only.
-        assert not tiles.wgrad_library_macs or (
-            arch != "interpret" and fmt.quantized and not fmt.scaled_mma and fmt.activation_block[1] == 128), row
         if not fmt.quantized:
             continue
         scale_k = fmt.activation_block[1]
@@ -165,22 +161,13 @@ def test_mx_operands_held_in_bf16():
         FP8_BLOCK.in_bf16()
 
 
-def _library_wgrad(rank, world):
-    from kernel_checks import blockwise_scaled_mm_stand_in, check_library_wgrad
-    from titan_megamoe.kernels import backward
-
-    backward.scaled_mm = blockwise_scaled_mm_stand_in  # torch's runs on GPUs only
-    check_library_wgrad("cpu", seed=4)
-
-
 def _gemm_bench_weight_gradients(rank, world):
     import torch
     from kernel_checks import blockwise_scaled_mm_stand_in
     from script_modules import load_script
-    from titan_megamoe.kernels import backward
 
-    backward.scaled_mm = blockwise_scaled_mm_stand_in  # torch's runs on GPUs only
     gemm_bench = load_script("gemm_bench")
+    gemm_bench.scaled_mm = blockwise_scaled_mm_stand_in  # torch's runs on GPUs only
     case = gemm_bench.GemmCase("wgrad_w13", "test", 3, "fp8", 128, 0, False, True, m=256)
     assert case.flops(205) == 2 * 205 * 256 * 128
     ops = gemm_bench.make_token_operands(case, torch.tensor([5, 0, 200]), torch.device("cpu"),
@@ -202,26 +189,3 @@ def test_gemm_bench_weight_gradients_match_its_reference(monkeypatch):
     blockwise-scaled matmul (a CPU stand-in); the Gluon one runs on a GPU only."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_gemm_bench_weight_gradients, 1, timeout_s=600)
-
-
-def test_library_weight_gradients_match_wgrad_kernel(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    run_ranks(_library_wgrad, 1, timeout_s=300)
-
-
-def test_library_weight_gradients_for_deep_experts_only():
-    """The sm90 blockwise-fp8 row takes torch's blockwise-scaled matmul where the mean
-    expert's product reaches 2^34 multiply-adds (docs/perf.md v34: 30B-A3B's dW1/dW3 at
-    8,192 rows per expert, not its dW2, nor either at 4,096), and wgrad_kernel without
-    each expert's rows."""
-    from titan_megamoe.kernels.backward import runs_library_wgrad
-    from titan_megamoe.kernels.configs import tile_config
-
-    tiles = tile_config("sm90", "fp8_block")
-    hidden, inter = 2048, 768
-    deep, half = (8192,) * 15 + (8193,), (4096,) * 32
-    assert runs_library_wgrad(tiles, deep, 2 * inter, hidden)
-    assert not runs_library_wgrad(tiles, deep, hidden, inter)
-    assert not runs_library_wgrad(tiles, half, 2 * inter, hidden)
-    assert not runs_library_wgrad(tiles, None, 2 * inter, hidden)
-    assert not runs_library_wgrad(tile_config("sm90", "native"), deep, 2 * inter, hidden)

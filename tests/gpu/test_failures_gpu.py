@@ -3,11 +3,12 @@ real GPUs (Qwen3-30B-A3B expert shapes):
 
 - a peer that arrives past the deadline: both ranks stop in that call, none returns a
   result, each names who failed and why, and every later call raises at once;
-- an out-of-range expert id on one rank: found on the device, both ranks raise naming
-  it, nothing stops, and the next call runs on both;
+- an out-of-range expert id on one rank: found on the device, it poisons both ranks'
+  buffers (the call returns NaN on both), the next call raises on both naming it,
+  nothing stops, and the call after runs on both;
 - forwards F1 F2 then backwards B1 B2 and B2 B1, where one owner must have the expert
   inputs resent (its copy of F2's input changed) and the other reuses them;
-- what the protocol cannot serve is refused: a CUDA-graph capture, a second stream.
+- what the protocol cannot serve is refused: eager calls on a second stream.
 
 A rank whose kernels stopped has lost its CUDA context: such ranks report through
 ``fused.failures()`` (which the fused backend also prints as soon as it is recorded)
@@ -90,15 +91,15 @@ def _late(rank, problem):
 def test_a_late_peer_stops_every_rank():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    expected = ["rank 0 timed out after 3 s waiting for COUNT_READY[1] (value 1, expected 2) in call 2",
-                "rank 1 stopped in call 2 because rank 0 failed (COUNT_READY)"]
+    expected = ["rank 0 timed out after 3 s waiting for COUNT_READY[1] (value 1, expected 2) at epoch 2",
+                "rank 1 stopped at epoch 2 because rank 0 failed (COUNT_READY)"]
     run_ranks(_stopped_call, 2, _late, expected, backend="nccl", timeout_s=300)
 
 
 def _bad_id_on_rank_0(rank, world):
-    """Rank 0's ``topk_idx`` holds an id past the last expert: both ranks raise ValueError
-    in that call, naming it; neither device faults; the next call (valid ids) runs on
-    both and matches the reference."""
+    """Rank 0's ``topk_idx`` holds an id past the last expert: both ranks' calls return NaN,
+    and their next calls raise ValueError naming it; neither device faults; the call after
+    (valid ids) runs on both and matches the reference."""
     from titan_megamoe import fused, reference
     from titan_megamoe.precision import get_precision
     from titan_megamoe.reference import relative_error
@@ -110,10 +111,11 @@ def _bad_id_on_rank_0(rank, world):
     if rank == 0:
         bad[17, 3] = EXPERTS + 7
     owner = "" if rank == 0 else "rank 0's "
+    assert torch.isnan(fused.moe_forward(x, bad, w, w1, w2, w3, group, False, settings)[0]).all()
+    torch.cuda.synchronize()
     with pytest.raises(ValueError, match=rf"{owner}topk_idx holds expert id {EXPERTS + 7}, outside \[0, {EXPERTS}\) "
                                          r"\(2 EP ranks x 64 local experts\), at token 17, slot 3"):
-        fused.moe_forward(x, bad, w, w1, w2, w3, group, False, settings)
-    torch.cuda.synchronize()
+        fused.moe_forward(x, idx, w, w1, w2, w3, group, False, settings)
     assert fused.failures() == []
     y = fused.moe_forward(x, idx, w, w1, w2, w3, group, False, settings)[0]
     expected, _ = reference.moe_forward(x, idx, w, w1, w2, w3, group, False, get_precision("bf16"))
@@ -122,7 +124,7 @@ def _bad_id_on_rank_0(rank, world):
     assert err < 1e-2, err
 
 
-def test_a_bad_expert_id_raises_on_every_rank():
+def test_a_bad_expert_id_poisons_every_rank():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_ranks(_bad_id_on_rank_0, 2, backend="nccl", timeout_s=300)
@@ -173,11 +175,7 @@ def _refusals(rank, world):
     with torch.cuda.stream(torch.cuda.Stream()):
         with pytest.raises(RuntimeError, match="its buffers belong to"):
             fused.moe_forward(*problem, None, False, settings)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        with torch.cuda.graph(graph):
-            fused.moe_forward(*problem, None, False, settings)
 
 
-def test_graph_capture_and_a_second_stream_are_refused():
+def test_a_second_stream_is_refused():
     run_ranks(_refusals, 1, backend="nccl", timeout_s=300)

@@ -8,13 +8,13 @@ are checked against the mxfp8 spec and the weight gradients against fp32: the sp
 rounds them along the tokens in blocks that follow the receive layout, which differs
 between one rank and many.
 
-Each rank's calls are made from a thread of its own: each forward waits on the host for
-its layout kernel's record (an expert id out of range raises there; with the receive
-buffers sized by the load, ``receive_load``, at its default twice the mean, it says
-whether they must grow), and the layout waits for every peer's. Skewed routing brings
-rank 0 more rows than that: every rank grows its buffers in that forward; one case keeps
-buffers sized for any routing. A bad expert id on one rank raises on every rank and
-leaves the group in step."""
+Each rank's calls are made from a thread of its own (each layout waits for every peer's).
+Receive windows are sized by the load (``receive_load``, at its default twice the mean);
+skewed routing brings rank 0 more rows than that, and every call then runs them in
+further rounds, with no wait on the host; one case keeps buffers sized for any routing.
+Every token routed to rank 0's experts runs in rounds too, and the windows then grow for
+later calls. A bad expert id on one rank poisons every rank (NaN outputs), the next call
+raises on every rank, and the group stays in step."""
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
@@ -45,13 +45,15 @@ def _routing(kind: str, rank: int, ep: int, num_tokens: int, g: torch.Generator)
     local = EXPERTS // ep
     if kind == "skewed":  # most slots on rank 0's experts, the rest spread thin
         scores[:, :local] += 0.8
+    elif kind == "all_to_rank0":  # every slot on rank 0's experts
+        scores[:, :local] += 2.0
     elif kind == "last_rank_starves":  # nobody routes to the last rank
         scores[:, EXPERTS - local:] -= 2.0
     return scores.topk(TOP_K, dim=1).indices
 
 
 TOKENS = {"random": lambda r: 2048 + 37 * r, "skewed": lambda r: 1024, "last_rank_starves": lambda r: 1500,
-          "empty_rank": lambda r: 0 if r == 1 else 1200}
+          "empty_rank": lambda r: 0 if r == 1 else 1200, "all_to_rank0": lambda r: 1024}
 
 
 def _problem(kind: str, ep: int, seed: int):
@@ -150,19 +152,6 @@ def _reserve_local_memory(loaded: dict) -> None:
         assert cuda.cuCtxSetLimit(stack_size_limit, ctypes.c_size_t(frame)) == 0, frame
 
 
-def _publish_received(buffers, call: int, ranks, rank: int, local: int) -> None:
-    """Write what the layout kernel of forward ``call`` would have written into rank
-    ``rank``'s received-rows record (the load-only pass runs no kernel; its forward and
-    backward read the record): the rows it receives, each local expert's aligned, the most
-    any rank receives, capped at what its buffers hold (the real forward grows them, with
-    every peer's kernels in flight), and each expert's."""
-    counts = torch.bincount(torch.cat([idx.reshape(-1) for _, idx, _, _ in ranks]), minlength=EXPERTS)
-    mine = counts[rank * local:(rank + 1) * local].tolist()
-    align = buffers.tiles.row_align
-    rows = sum(-(-c // align) * align for c in mine)
-    buffers.publish_received(call, rows, min(rows, buffers.recv.shape[0] - buffers.tiles.block_m), mine)
-
-
 def _on_each_rank(group, call):
     """``[call(r) for each rank r]``, each from a thread of its own on the rank's stream."""
 
@@ -189,7 +178,6 @@ def _prepare(group, ranks, shards, settings) -> list:
     before any rank's kernels run; returns each rank's forward buffers."""
     from titan_megamoe import fused
 
-    local = EXPERTS // group.ep
     # Nothing may allocate device or pinned memory while a virtual rank's kernels wait for
     # another's (an allocation can synchronise the device): every buffer set first, and a
     # reserve in the caching allocator (which caches per stream) for what each rank's
@@ -203,20 +191,26 @@ def _prepare(group, ranks, shards, settings) -> list:
     buffers = [fused._plan(x, idx, shards[r][0], group.ranks[r], settings).buffers
                for r, (x, idx, _, _) in enumerate(ranks)]
     loaded = {}
+    # The pass launches no kernel: its calls' records are never written, and no later
+    # call may read them for growth.
+    resync = buffers[0].calls + 2
     with _load_kernels_only(loaded):
         for r, (x, idx, w, dy) in enumerate(ranks):
             with torch.cuda.stream(group.ranks[r].stream):
-                _publish_received(buffers[r], buffers[r].calls + 1, ranks, r, local)
                 dry = fused.moe_forward(x, idx, w, *shards[r], group.ranks[r], False, settings)
                 fused.moe_backward(dy, x, idx, w, *shards[r], *dry[2:], group.ranks[r], False, settings)
     _synchronize()
+    for b in buffers:
+        b.resync_call = resync
     _reserve_local_memory(loaded)
     return buffers
 
 
 def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16",
-         receive_load: float = DEFAULT_RECEIVE_LOAD) -> None:
-    from titan_megamoe import fused, reference
+         receive_load: float = DEFAULT_RECEIVE_LOAD, steps: int = 1, growing_steps: tuple[int, ...] = ()):
+    """``steps`` forward + backward steps, each checked (``_check_step``); the launches of
+    every step but ``growing_steps`` (whose forward grows the buffers, collectively, which
+    synchronises) under ``set_sync_debug_mode("error")``."""
     from titan_megamoe.settings import OperatorSettings
     from titan_megamoe.symm import VirtualGroup
 
@@ -231,15 +225,45 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
     prepared_rows = buffers[0].recv.shape[0]
     print(f"EP {ep} {kind}: buffers prepared ({prepared_rows} receive rows), kernels loaded", flush=True)
 
-    forward = _on_each_rank(group, lambda r: fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r], False,
-                                                               settings))
-    print(f"EP {ep} {kind}: forwards launched", flush=True)
+    for step in range(steps):
+        _check_step(ep, kind, save_gemm1, precision, group, ranks, shards, settings, (w1, w2, w3), buffers,
+                    prepared_rows, step, strict=step not in growing_steps)
+    return buffers, prepared_rows
+
+
+@contextlib.contextmanager
+def _no_synchronisation(strict: bool):
+    """Inside, a call that synchronises the device raises (``strict``)."""
+    if strict:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _check_step(ep, kind, save_gemm1, precision, group, ranks, shards, settings, weights, buffers, prepared_rows,
+                step, strict: bool):
+    """One forward and backward on every rank, launched with no synchronisation where
+    ``strict``: the rows each rank got back, the output and every gradient against the
+    reference."""
+    from titan_megamoe import fused, reference
+
+    w1, w2, w3 = weights
+    local = EXPERTS // ep
+    window = buffers[0].window
+    with _no_synchronisation(strict):
+        forward = _on_each_rank(group, lambda r: fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r],
+                                                                   False, settings))
+    print(f"EP {ep} {kind} step {step}: forwards launched", flush=True)
     _synchronize()
-    most = max(b.received_rows(int(f[-1]), timeout_s=1.0).most for b, f in zip(buffers, forward))
+    most = max(b.records.read_ring(b.calls, timeout_s=1.0, stop=lambda: False).most for b in buffers)
     rows = {b.recv.shape[0] for b in buffers}
-    print(f"EP {ep} {kind}: a rank received up to {most} rows; receive rows {prepared_rows} -> {rows}", flush=True)
-    assert len(rows) == 1 and most + buffers[0].tiles.block_m <= min(rows), (most, rows)
-    assert (min(rows) > prepared_rows) == (most + buffers[0].tiles.block_m > prepared_rows), "grown iff needed"
+    print(f"EP {ep} {kind} step {step}: a rank received up to {most} rows, {-(-most // window)} window(s) of "
+          f"{window} rows (the call ran {buffers[0].rounds} rounds); receive rows {prepared_rows} -> {rows}",
+          flush=True)
+    assert len(rows) == 1, rows
+    assert fused.record_waits()[0] == 0, "the host waited for the device"
     combine_rows = [b.combine for (_, b) in sorted(
         ((k, b) for k, b in fused._BUFFERS.items() if k[0] == group.ranks[0].group_name),
         key=lambda kb: kb[1].shape.rank)]
@@ -249,8 +273,9 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
         expected = _slot_rows(x, idx, w1, w2, w3, precision)
         got = combine_rows[r][:n].float()
         checked_rows.append((relative_error(got, expected) if n else 0.0, max_row_error(got, expected)))
-    backward = _on_each_rank(group, lambda r: fused.moe_backward(
-        ranks[r][3], *ranks[r][:3], *shards[r], *forward[r][2:], group.ranks[r], False, settings))
+    with _no_synchronisation(strict):
+        backward = _on_each_rank(group, lambda r: fused.moe_backward(
+            ranks[r][3], *ranks[r][:3], *shards[r], *forward[r][2:], group.ranks[r], False, settings))
     _synchronize()
 
     # The fp32 reference over every rank's tokens with every expert local; quantized, the
@@ -298,10 +323,10 @@ def _run(ep: int, kind: str, seed: int, save_gemm1: bool, precision: str = "bf16
 
 def _run_bad_ids(ep: int, bad_rank: int, seed: int) -> None:
     """One rank's ``topk_idx`` holds an id past the last expert (at its last token), the
-    others' are valid: every rank's forward, each from its own thread, raises ValueError
-    naming that rank's id and where it is; no stream faults, no failure is recorded, no
-    rank's receive buffer (poisoned) gets a row, and the next forward of every rank
-    matches the fp32 reference."""
+    others' are valid: every rank's forward, each from its own thread, returns NaN; no
+    stream faults, no failure is recorded, no rank's receive buffer (poisoned) gets a row;
+    every rank's next forward raises ValueError naming that rank's id and where it is,
+    and the forward after matches the fp32 reference on every rank."""
     from titan_megamoe import fused, reference
     from titan_megamoe.precision import get_precision
     from titan_megamoe.settings import OperatorSettings
@@ -322,19 +347,23 @@ def _run_bad_ids(ep: int, bad_rank: int, seed: int) -> None:
         b.recv.fill_(float("nan"))
     torch.cuda.synchronize()
 
+    poisoned = _on_each_rank(group, lambda r: fused.moe_forward(ranks[r][0], bad[r], ranks[r][2], *shards[r],
+                                                                 group.ranks[r], False, settings)[0])
+    _synchronize()
+    assert all(torch.isnan(y.float()).all() for y in poisoned if y.numel()), "a poisoned call returned numbers"
+
     def forward(r):
         try:
-            fused.moe_forward(ranks[r][0], bad[r], ranks[r][2], *shards[r], group.ranks[r], False, settings)
+            fused.moe_forward(*ranks[r][:3], *shards[r], group.ranks[r], False, settings)
         except ValueError as error:
             return str(error)
         return None
 
     messages = _on_each_rank(group, forward)
-    _synchronize()
     for r, message in enumerate(messages):
         owner = "" if r == bad_rank else f"rank {bad_rank}'s "
         print(f"EP {ep} rank {r}: {message}", flush=True)
-        assert message is not None, (r, "returned a result")
+        assert message is not None, (r, "the next call did not raise")
         assert (f"{owner}topk_idx holds expert id {10**6}, outside [0, {EXPERTS}) ({ep} EP ranks x {local} local "
                 f"experts), at token {token}, slot {TOP_K - 1}") in message, (r, message)
     assert fused.failures() == []
@@ -391,3 +420,23 @@ def test_virtual_ranks_mxfp8(ep, kind):
     if reason:
         pytest.skip(reason)
     run_ranks(_case, 1, ep, kind, "mxfp8", backend="nccl", timeout_s=300)
+
+
+def _overflow_case(rank: int, world: int, ep: int) -> None:
+    """Every slot on rank 0's experts: rank 0 receives ``ep`` times the mean, more than its
+    window (twice the mean) holds, and every call runs the rows past it in further rounds,
+    the host waiting for nothing; ``GROWTH_LAG`` (here 2) calls later every rank's buffers
+    grow alike, and the calls after run in fewer rounds. Every step matches the reference."""
+    from titan_megamoe.kernels import buffers as buffers_module
+
+    buffers_module.GROWTH_LAG = 2
+    buffers, prepared_rows = _run(ep, "all_to_rank0", seed=ep * 10 + 3, save_gemm1=True, steps=3, growing_steps=(1,))
+    rows = {b.recv.shape[0] for b in buffers}
+    print(f"EP {ep}: receive rows {prepared_rows} -> {rows}, {buffers[0].rounds} round(s) a call", flush=True)
+    assert len(rows) == 1 and min(rows) > prepared_rows, "the buffers did not grow"
+    assert buffers[0].rounds == 1, buffers[0].rounds
+
+
+@pytest.mark.parametrize("ep", [4, 8])
+def test_virtual_ranks_overflow_runs_in_rounds_then_grows(ep):
+    run_ranks(_overflow_case, 1, ep, backend="nccl", timeout_s=300)

@@ -25,7 +25,6 @@ The load warp copies a tile's rows once they have arrived (``arrivals``), as in
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -43,7 +42,7 @@ from titan_megamoe.kernels.gluon.sm90.mma import (
 from titan_megamoe.kernels.gluon.sm90.ring import StageRing, allocate_barriers
 from titan_megamoe.kernels.gluon.sm90.schedule import ExpertTiles
 from titan_megamoe.kernels.gluon.sm90.spec import GemmSpec
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import launch, next_power_of_2
 
 GATE_UP_BLOCK_N = 128
 """Intermediate columns per tile: one accumulator of 64 x 128 per warpgroup, and
@@ -165,10 +164,10 @@ def gate_up_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, layout: Ex
         layout.block_base, layout.local_base, layout.local_rows, experts, layout.num_blocks,
         chunks.flags, chunks.flag_ptrs, chunks.state, chunks.src_offset, chunks.src_rows, chunks.rank, chunks.ep,
         outs.h, outs.h_scales, outs.preact, saved_rows,
-        N=inter, K=hidden, STAGES=tiles.stages, LOCAL_PAD=triton.next_power_of_2(experts),
+        N=inter, K=hidden, STAGES=tiles.stages, LOCAL_PAD=next_power_of_2(experts),
         SCALE_K=FP8_BLOCK if scaled else 0, SCALE_N=FP8_BLOCK, PROMOTE_CHUNK=tiles.promote_chunk,
         TILES_PER_BLOCK=layout.block_m // tile_rows, CHUNK_READY=chunks.chunk_ready,
-        MAX_CHUNKS=chunks.max_chunks, EP_PAD=triton.next_power_of_2(chunks.ep), ACT_DTYPE=ACT_DTYPES[act_dtype],
+        MAX_CHUNKS=chunks.max_chunks, EP_PAD=next_power_of_2(chunks.ep), ACT_DTYPE=ACT_DTYPES[act_dtype],
         POWER_OF_TWO=power_of_two, SAVE=outs.preact is not None,
         num_warps=int(MMA_WARPS),
     )

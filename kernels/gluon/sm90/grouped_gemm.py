@@ -6,17 +6,17 @@ layout (``schedule``): bf16 operands, or blockwise fp8 (e4m3 with 1 x 128 A scal
 A tile (GEMM1's gate and up projections, ``swiglu`` epilogue).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 from titan_megamoe.kernels.gluon.sm90.epilogue import EPILOGUES
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import launch, next_power_of_2
 from titan_megamoe.kernels.gluon.sm90.load import LOAD_REGISTERS, LOAD_WARPS, load_partition
 from titan_megamoe.kernels.gluon.sm90.mma import MMA_REGISTERS, MMA_ROWS, MMA_WARPS, mma_partition
 from titan_megamoe.kernels.gluon.sm90.ring import StageRing
@@ -103,11 +103,16 @@ DESCRIPTOR_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
 """What a TMA descriptor may move: the operands, and fp32 outputs."""
 
 
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout the MMAs read ``block`` tiles of ``dtype`` in (made once)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), DESCRIPTOR_DTYPES[dtype])
+
+
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``block`` tiles of the 2-D tensor ``t`` (bf16 or e4m3 operands, or
     an fp32 output), in the shared-memory layout the MMAs read."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, DESCRIPTOR_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: "E
         tma_descriptor(a, a_block), b_desc, b2_desc, a_scale, b_scale, out, *targets,
         layout.block_base, layout.local_base, layout.local_rows, experts, layout.num_blocks,
         EPILOGUE=EPILOGUES[epilogue], COMBINE=combine is not None, N=n_dim, K=k_dim, BLOCK_N=tiles.block_n,
-        STAGES=tiles.stages, MMA_WARPGROUPS=tiles.mma_warpgroups, LOCAL_PAD=triton.next_power_of_2(experts),
+        STAGES=tiles.stages, MMA_WARPGROUPS=tiles.mma_warpgroups, LOCAL_PAD=next_power_of_2(experts),
         TWO_B=b2 is not None, B_K_MAJOR=b_k_major, SCALE_K=FP8_BLOCK if scaled else 0, SCALE_N=FP8_BLOCK,
         PROMOTE_CHUNK=tiles.promote_chunk, num_warps=int(MMA_WARPS),
     )

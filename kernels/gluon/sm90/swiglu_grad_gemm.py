@@ -20,7 +20,6 @@ kernel).
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -32,7 +31,7 @@ from titan_megamoe.kernels.gluon.sm90.mma import ARRIVAL_MMA_REGISTERS, MMA_ROWS
 from titan_megamoe.kernels.gluon.sm90.ring import StageRing
 from titan_megamoe.kernels.gluon.sm90.schedule import ExpertTiles
 from titan_megamoe.kernels.gluon.sm90.spec import GemmSpec
-from titan_megamoe.kernels.launch import launch
+from titan_megamoe.kernels.launch import launch, next_power_of_2
 
 SWIGLU_GRAD_BLOCK_N = 128
 """Intermediate columns per tile: two 64-column halves in the epilogue, and blockwise
@@ -142,9 +141,9 @@ def swiglu_grad_gemm(dy: torch.Tensor, w2t: torch.Tensor, layout: ExpertLayout, 
         chunks.flags, chunks.flag_ptrs, chunks.state, chunks.src_offset, chunks.src_rows, chunks.rank, chunks.ep,
         outs.preact.shape[0], outs.preact, outs.score, outs.dab, outs.dab_q, outs.dab_scales, outs.h_wgrad,
         outs.score_parts,
-        N=inter, K=hidden, STAGES=tiles.stages, LOCAL_PAD=triton.next_power_of_2(experts), B_K_MAJOR=b_k_major,
+        N=inter, K=hidden, STAGES=tiles.stages, LOCAL_PAD=next_power_of_2(experts), B_K_MAJOR=b_k_major,
         SCALE_K=FP8_BLOCK if scaled else 0, SCALE_N=FP8_BLOCK, PROMOTE_CHUNK=tiles.promote_chunk, SAVED_M=saved_m,
-        CHUNK_READY=chunks.chunk_ready, MAX_CHUNKS=chunks.max_chunks, EP_PAD=triton.next_power_of_2(chunks.ep),
+        CHUNK_READY=chunks.chunk_ready, MAX_CHUNKS=chunks.max_chunks, EP_PAD=next_power_of_2(chunks.ep),
         SCORE_BEFORE_EXPERTS=score_before_experts, POWER_OF_TWO=power_of_two, ROW_ALIGN=row_align,
         num_warps=int(MMA_WARPS),
     )
