@@ -70,7 +70,6 @@ from titan_megamoe.kernels.forward import (
     gluon_takes_rows,
     inputs_key,
     layout,
-    pad,
     reduce,
     routing_numel,
     rows_gemm_combine,
@@ -82,7 +81,7 @@ from titan_megamoe.kernels.forward import (
 from titan_megamoe.kernels.gluon.sm90.grouped_gemm import FP8_BLOCK, GemmTiles
 from titan_megamoe.kernels.gluon.sm90.swiglu_grad_gemm import SWIGLU_GRAD_BLOCK_N, SwigluGradTensors, swiglu_grad_gemm
 from titan_megamoe.kernels.gluon.sm90.token_grouped_gemm import token_grouped_gemm
-from titan_megamoe.kernels.launch import cdiv, fork_stream, join_stream, launch
+from titan_megamoe.kernels.launch import cdiv, fork_stream, join_stream, launch, next_power_of_2
 from titan_megamoe.kernels.mainloop import mx_dot
 from titan_megamoe.kernels.quantize import quantize_rows, quantize_weights
 from titan_megamoe.kernels.sync import GEMM1_NEXT_TILE, PAST_SAVED, RECOMPUTE_NEXT_TILE
@@ -242,7 +241,8 @@ def _token_major(buffers: ForwardBuffers, tiles: TileConfig, fmt: Format, block_
         t, t_scales, out, scales, buffers.local_base, buffers.local_rows, block_start, shape.local_experts,
         STRIDE=t.shape[1], COLS=cols, SCALE_K=token_block if t_scales is not None else 0, KT=kt,
         TOKEN_BLOCK=token_block, POWER_OF_TWO=fmt.power_of_two, BLOCK_C=block_c,
-        LOCAL_PAD=pad(shape.local_experts), SCALES_BLOCK_MAJOR=block_major, num_warps=tiles.token_major_warps,
+        LOCAL_PAD=next_power_of_2(shape.local_experts), SCALES_BLOCK_MAJOR=block_major,
+        num_warps=tiles.token_major_warps,
     )
     return out, scales
 
@@ -278,7 +278,8 @@ def _dequantized(buffers: ForwardBuffers, rows: torch.Tensor, scales: torch.Tens
     grid = (cdiv(rows.shape[0], block_r), cdiv(rows.shape[1], DEQUANTIZE_COLS))
     launch(dequantized_rows_kernel, grid,
         rows, scales, out, rows.shape[0], buffers.local_base, buffers.local_rows, shape.local_experts,
-        COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0, LOCAL_PAD=pad(shape.local_experts),
+        COLS=rows.shape[1], SCALE_K=scale_k if scales is not None else 0,
+        LOCAL_PAD=next_power_of_2(shape.local_experts),
         ROW_ALIGN=buffers.tiles.row_align, BLOCK_R=block_r, BLOCK_C=DEQUANTIZE_COLS, MX_TOKEN_BLOCK=mx_token_block,
         num_warps=4,
     )
@@ -452,8 +453,10 @@ def fused_backward(
             layout(topk_idx, routing, buffers, timeout_s, round_index, rounds, tokens_per_expert,
                    saved_rows=saved_rows)
         saved = saved_rows_of_round(preact, round_index, window)
+        if saved is not None and not saved.shape[0]:
+            saved = None
         weight_grads = _backward_round(
-            ops, x, topk_w, routing[: num_tokens * top_k], top_k, saved if saved is not None and saved.shape[0] else None,
+            ops, x, topk_w, routing[: num_tokens * top_k], top_k, saved,
             buffers, grad, score_before_experts, comm_programs, num_programs, weight_grads,
             release=preact if round_index == last_saved_round else None)
 
@@ -550,7 +553,8 @@ def _backward_round(ops: _Operands, x, topk_w, order: torch.Tensor, top_k: int, 
             shape.local_experts, shape.rows_per_rank, 0 if saved is None else saved.shape[0],
             HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
             SCORE_BEFORE_EXPERTS=score_before_experts, NEEDS_INPUT=flags.needs_input, CHUNK_READY=flags.chunk_ready,
-            MAX_CHUNKS=flags.max_chunks, EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts),
+            MAX_CHUNKS=flags.max_chunks, EP_PAD=next_power_of_2(shape.ep),
+            LOCAL_PAD=next_power_of_2(shape.local_experts),
             BLOCK_M=tiles.block_m, ROW_ALIGN=buffers.tiles.row_align, TILE_M=tiles.grad1_m, BLOCK_N=block_n,
             BLOCK_K=tiles.grad1_k, COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols,
             UPCAST_DOT=INTERPRET, X_SCALE_K=x_fmt.row_scale_k, GRAD_SCALE_K=scale_k,

@@ -67,10 +67,6 @@ def weight_scale_rows(fmt: Format, tiles: TileConfig) -> int:
     return 0 if weights_in_bf16(fmt, tiles) else fmt.weight_block[0]
 
 
-def pad(n: int) -> int:
-    return next_power_of_2(n)
-
-
 def check_call(num_tokens: int, buffers: ForwardBuffers, comm_programs: int, num_programs: int, what: str) -> None:
     """Raise before any launch if this call cannot run on ``buffers``, or if an earlier one
     recorded a failure or a bad expert id (``ForwardBuffers.raise_pending``)."""
@@ -161,7 +157,8 @@ def layout(topk_idx: torch.Tensor, routing: torch.Tensor, buffers: ForwardBuffer
         shape.rank, shape.ep, shape.local_experts, int(needs_input), int(timeout_s * 1e9),
         0 if captured else buffers.calls, buffers.window, round_index, rounds, saved_rows,
         COUNTS=flags.counts, COUNT_READY=flags.count_ready, NEEDS_INPUT=flags.needs_input,
-        BAD_IDS=flags.bad_ids, EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts), BLOCK_M=buffers.tiles.block_m,
+        BAD_IDS=flags.bad_ids, EP_PAD=next_power_of_2(shape.ep), LOCAL_PAD=next_power_of_2(shape.local_experts),
+        BLOCK_M=buffers.tiles.block_m,
         ROW_ALIGN=buffers.tiles.row_align, num_warps=4,
     )
     after_launches(buffers)  # what follows a failed layout must not run on its arrays
@@ -253,7 +250,8 @@ def fused_forward(
             HIDDEN=shape.hidden, INTER=shape.inter, TOP_K=top_k,
             SCORE_BEFORE_EXPERTS=score_before_experts, SAVE_GEMM1=saved is not None,
             COMM_PROGRAMS=comm_programs, CHUNK_READY=flags.chunk_ready,
-            MAX_CHUNKS=flags.max_chunks, EP_PAD=pad(shape.ep), LOCAL_PAD=pad(shape.local_experts),
+            MAX_CHUNKS=flags.max_chunks, EP_PAD=next_power_of_2(shape.ep),
+            LOCAL_PAD=next_power_of_2(shape.local_experts),
             BLOCK_M=tiles.block_m, TILE_M=tiles.gemm1_m, BLOCK_N=tiles.gemm1_n, BLOCK_K=tiles.gemm1_k,
             COPY_ROWS=tiles.copy_rows, COPY_COLS=tiles.copy_cols, UPCAST_DOT=INTERPRET, SCALE_K=fmt.row_scale_k,
             W_SCALE_N=weight_scale_rows(fmt, tiles), MX_DOT=mx_dot(fmt, tiles.mx_upcast),
@@ -345,8 +343,8 @@ def rows_gemm_combine(buffers: ForwardBuffers, tiles: TileConfig, phase: RowsGem
     if phase.kernel == "gluon" and a.dtype not in GLUON_OPERANDS:
         raise ValueError(f"the tile row names the Gluon rows GEMM, which multiplies bf16 or e4m3 operands; these "
                          f"are {a.dtype} (name gemm2_kernel / dgrad_kernel 'tl' in that row)")
-    release = dict(SCORE_PARTS=parts, PARTS_PAD=pad(parts), COMBINE_READY=flags.combine_ready,
-                   LOCAL_PAD=pad(shape.local_experts), BLOCK_M=block_m)
+    release = dict(SCORE_PARTS=parts, PARTS_PAD=next_power_of_2(parts), COMBINE_READY=flags.combine_ready,
+                   LOCAL_PAD=next_power_of_2(shape.local_experts), BLOCK_M=block_m)
     common = (buffers.recv_meta, buffers.flags, buffers.flag_ptrs, buffers.state, buffers.local_base,
               buffers.block_base, buffers.local_rows, shape.rank, shape.ep, shape.local_experts, shape.rows_per_rank)
     if phase.kernel == "tl":
@@ -398,8 +396,8 @@ def reduce(buffers: ForwardBuffers, topk_w, x, out, num_tokens: int, top_k: int,
     launch(combine_reduce_kernel, (min(blocks, num_programs),),
         buffers.combine, topk_w, x, out, score_out, score_src, buffers.flags, buffers.flag_ptrs, buffers.state,
         num_tokens, shape.rank, shape.ep,
-        HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=pad(top_k), SCALE_BY_SCORE=scale_by_score,
+        HIDDEN=shape.hidden, TOP_K=top_k, K_PAD=next_power_of_2(top_k), SCALE_BY_SCORE=scale_by_score,
         SCORE_DOT=score_out is not None and score_src is None, SCORE_COPY=score_src is not None,
-        COMBINE_READY=buffers.flag_layout.combine_ready, EP_PAD=pad(shape.ep), BLOCK_T=block_t,
+        COMBINE_READY=buffers.flag_layout.combine_ready, EP_PAD=next_power_of_2(shape.ep), BLOCK_T=block_t,
         BLOCK_H=tiles.reduce_cols, num_warps=tiles.reduce_warps,
     )

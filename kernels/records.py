@@ -22,7 +22,6 @@ and ``wait_s`` their time.
 import time
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from titan_megamoe.kernels import sync
@@ -78,9 +77,6 @@ class HostRecords:
         self.wait_s = 0.0
         """Host seconds those waits took."""
 
-    def failure_code(self) -> int:
-        return int(self._status[sync.CODE.value])
-
     def failure(self, timeout_s: float) -> str | None:
         """The message of a recorded failure, or None."""
         return describe_failure(self._status[:7].tolist(), timeout_s)
@@ -124,15 +120,6 @@ class HostRecords:
             return None
         return ReceivedRows(words[sync.RECEIVED_ROWS.value], words[sync.RECEIVED_MOST.value],
                             tuple(words[sync.RECEIVED_COUNTS.value:]))
-
-    def write_ring(self, call: int, total: int, most: int, per_expert: list[int]) -> None:
-        """Write ``call``'s ring slot as its layout would (for tools that compile the
-        kernels without running them: ``scripts/kernel_resources.py``)."""
-        words = np.zeros(self._ring.shape[1], dtype=np.int64)
-        words[sync.RECEIVED_ROWS.value], words[sync.RECEIVED_MOST.value] = total, most
-        words[sync.RECEIVED_COUNTS.value:] = per_expert
-        words[sync.RECEIVED_CALL.value] = call
-        self._ring[ring_slot(call)] = words
 
 
 def describe_failure(status: list[int], timeout_s: float) -> str | None:
