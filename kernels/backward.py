@@ -623,7 +623,7 @@ def _first_round_wgrad(buffers: ForwardBuffers, grad: GradBuffers, x, dab, h_wgr
     if wgrad_fmt.quantized and not grad.mx_wgrad_block:
         # Each operand freed as soon as its token-major copy exists, the narrowest first:
         # h's copy, then [da | db] (dW1 and dW3 first), so that neither is held beside
-        # the other or beside more than two copies (docs/perf.md v28); dW2 allocated once
+        # the other or beside more than two copies (docs/perf-history.md v28); dW2 allocated once
         # [da | db]'s copy is freed, so that the peak holds the three weight gradients
         # beside two copies, not beside [da | db] (v32).
         dw1, dw3 = (torch.empty(shape.local_experts, shape.inter, shape.hidden, dtype=shape.dtype, device=x.device)

@@ -283,7 +283,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # are 128 columns wide; GEMM1 128 rows tall in 3 stages (small spills, 9% faster than
     # 64 rows), the backward's first kernel 64 (128 rows are 35% slower). GEMM2 and dgrad
     # 128x128 as in the plain blockwise-fp8 grouped GEMM measured at 613-835 TFLOP/s
-    # (docs/perf.md, v9); 64x128 tiles of 4 warps, two programs per SM (one's stores
+    # (docs/perf-history.md, v9); 64x128 tiles of 4 warps, two programs per SM (one's stores
     # beside the other's MMAs) were 7% faster at 30B-A3B and 7% slower at 235B-A22B
     # (v29). The backward's first kernel runs 2 stages where it recomputes
     # GEMM1 (3 take 240 KB of shared memory when fp8_bwd recomputes it in bf16) and 4
@@ -317,7 +317,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # operands are held in bf16 rounded to MX (mx_in_bf16) and every GEMM runs the bf16
     # kernels with the bf16 row's tiles; scaling e4m3 tiles into bf16 in the mainloop
     # (mx_upcast, weights dequantized once per call) ran the GEMMs at half the bf16
-    # kernels' rate (docs/perf.md v15, v20). The backward's first kernel as bf16's where
+    # kernels' rate (docs/perf-history.md v15, v20). The backward's first kernel as bf16's where
     # GEMM1 was saved, 128 wide with its epilogue in halves (at 128 in one part, rounding
     # [da | db] spilled: 64 wide was faster, v20; halves 2.42 -> 1.88 ms, v22). The
     # weight gradients run torch's bf16 grouped GEMM on copies quantized along the tokens
@@ -333,7 +333,7 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ),
     # MXFP8 on B200 (SM100): native MX MMA (block-scaled tcgen05) with the accumulators in
     # tensor memory; K steps of 128 (four scale blocks). Compiled for sm_100a, never run:
-    # no Blackwell GPU was at hand (docs/perf.md v14).
+    # no Blackwell GPU was at hand (docs/perf-history.md v14).
     ("sm100", "mxfp8"): TileConfig(
         block_m=128,
         gemm1_m=128, gemm1_n=128, gemm1_k=128, gemm1_warps=8, gemm1_stages=3,

@@ -77,12 +77,12 @@ def rows_gemm_combine_kernel(
         rows = row0 + tl.arange(0, TILE_M)
         # The hints restate the columns' alignment: an N-major B tile is built from these
         # columns too, and where the compiler carried that value into the stores it lost
-        # it (they fell to 2 bytes each, docs/perf.md v24).
+        # it (they fell to 2 bytes each, docs/perf-history.md v24).
         cols = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         col_ok = (cols < N) | (N % BLOCK_N == 0)
         # Where each row goes, loaded before the mainloop, whose MMAs hide the latency of
         # these two dependent loads (the row's origin, then its source's buffer); after
-        # it they held up every tile's stores (docs/perf.md v29).
+        # it they held up every tile's stores (docs/perf-history.md v29).
         live = rows < end
         origin = tl.load(recv_meta + rows, mask=live, other=0)
         offset = _peer_offset(combine_ptrs, origin // rows_per_rank, rank, live, ELEM_BYTES=elem, ALIGN=16 // elem)

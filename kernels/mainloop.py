@@ -4,7 +4,7 @@
 K-major rows, ``B [experts, N, K]`` one weight per expert, also K-major (Hopper's fp8 MMA
 takes K-major operands only), or, unscaled, ``[experts, K, N]`` with ``B_N_MAJOR`` (a
 weight read as stored instead of from a transposed copy; as fast in Triton 3.6 on H200
-at K = 2,048, 6% slower at 4,096: docs/perf.md v21), over the columns ``k_start ..
+at K = 2,048, 6% slower at 4,096: docs/perf-history.md v21), over the columns ``k_start ..
 k_end`` of K (the weight gradients contract one expert's token range of token-major
 copies). With ``TWO_B`` a second B of the same shape shares each A tile (GEMM1's W1 and
 W3). With ``B_K_SPLIT`` (N-major, unscaled) B is two weights stacked along K, ``b`` its rows

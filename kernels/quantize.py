@@ -55,7 +55,7 @@ def _to_e4m3(v):
     """fp32 ``v`` (``|v| <= 448``, or one rounding above) to e4m3, rounded to nearest, ties
     to even. On a GPU the conversion instruction rounds so; the interpreter's conversion
     needs the values rounded first (``_round_to_e4m3``), which on a GPU would only add
-    instructions to the quantizers (docs/perf.md v16)."""
+    instructions to the quantizers (docs/perf-history.md v16)."""
     if _INTERPRET:
         v = _round_to_e4m3(v)
     return v.to(tl.float8e4nv)

@@ -121,7 +121,7 @@ def token_major_kernel(
         rows = tl.load(local_base + expert) + offsets
         v = _rows_as_fp32(t, t_scales, rows, col0, live, STRIDE=STRIDE, COLS=COLS, BLOCK=BLOCK_C, SCALE_K=SCALE_K)
         # Quantized as loaded, transposed by the store: one byte per element crosses
-        # the threads, not four (docs/perf.md v36).
+        # the threads, not four (docs/perf-history.md v36).
         q, scale = quantize_columns(v, POWER_OF_TWO)  # [TOKEN_BLOCK, BLOCK_C], [BLOCK_C]
         cols = col0 + tl.arange(0, BLOCK_C)
         col_ok = cols < COLS

@@ -17,7 +17,9 @@ checks its arguments, says what it will run and starts itself under torchrun: on
 per visible GPU with NCCL or, with no GPU, 2 gloo ranks on the CPU. On the CPU every
 argument left out takes a small default (shape ``debug``, 256 tokens/rank, 3 iterations,
 mega_moe on its ``reference`` backend, no ``stock_compiled``) instead of the GPU shapes,
-and the first line printed says so. A CPU run checks that mega_moe computes what stock
+and the first line printed says so; the variants that need a GPU (``stock_compiled``,
+``stock_fp8``) are left out, and a line names each and why, so that a command written for
+GPUs runs the rest (none left: an error). A CPU run checks that mega_moe computes what stock
 computes; its timings say nothing about GPU speed, so it states no speedup, rate or
 plot, and its header and summary say why.
 
@@ -25,7 +27,8 @@ Every rank runs the same fixed number of iterations (a self-tuning timer would r
 different count per rank and deadlock the collectives inside). ``--forward-only`` times
 the forward alone, under ``torch.no_grad()``. Prints a line as each variant of each row
 starts and ends, a table on rank 0, and writes ``bench_layer.json``, ``bench_layer.md``
-and, with matplotlib, ``bench_layer.png``.
+and, with matplotlib, ``bench_layer.png`` into a new folder of ``--out`` named by the run's
+start time (printed at the start and the end), so that a run never overwrites another's.
 """
 
 import argparse
@@ -33,6 +36,7 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -195,9 +199,11 @@ def add_buffer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str | None]:
-    """Checked arguments, with the defaults of ``device``'s type filled in and the
-    backend resolved (``args.resolved_backend``, ``args.backend_reason``); and, when the
-    CPU defaults replace the GPU shapes, the line that says so."""
+    """Checked arguments, with the defaults of ``device``'s type filled in, the variants
+    that need a GPU left out on the CPU, and the backend resolved
+    (``args.resolved_backend``, ``args.backend_reason``); and the lines (one string, or
+    None) that say what a CPU run does instead of what was asked: the CPU defaults in place
+    of the GPU shapes, the variants left out and why."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=names_from(SHAPES),
                    help=f"comma-separated, from {', '.join(SHAPES)} (default: 30B-A3B,235B-A22B; CPU: debug)")
@@ -227,14 +233,20 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     p.add_argument("--memory", action="store_true",
                    help="record the allocator's history and print the blocks live at each variant's peak "
                         "(GPUs; the host then records every allocation, which slows host-bound rows)")
-    p.add_argument("--out", default="outputs/bench_layer")
+    p.add_argument("--out", default="outputs/bench_layer",
+                   help="each run writes its files into a new folder in this one, named by its start time "
+                        "(default outputs/bench_layer)")
     args = p.parse_args(argv)
 
     defaults = DEFAULTS[device.type]
     left_out = [name for name in defaults if getattr(args, name) is None]
     for name in left_out:
         setattr(args, name, defaults[name])
-    note = None
+    dropped = {}
+    if device.type == "cpu":
+        args.variants, dropped = without_gpu_only(args.variants)
+        if not args.variants:
+            p.error(f"--variants: none of them runs without a GPU: {gpu_only_reasons(dropped)}")
     if "stock_fp8" in args.variants:
         refusal = stock_fp8_refusal(device)
         if refusal:
@@ -243,13 +255,12 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
         p.error(f"--variants: mega_moe_bf16 sets a quantized --precision against bf16; with --precision "
                 f"{args.precision} mega_moe itself runs bf16")
     args.backend_left_out = "backend" in left_out
+    lines = []
     if device.type == "cpu":
-        if "stock_compiled" in args.variants:
-            p.error("--variants: stock_compiled needs a GPU (it compiles the grouped GEMM as TorchTitan does there)")
         if "shapes" in left_out or "tokens" in left_out:
             gpu = DEFAULTS["cuda"]
             backend = f"mega_moe backend {args.backend}" + (", chosen for the CPU" if args.backend_left_out else "")
-            note = (
+            lines.append(
                 f"[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead: shape "
                 f"{','.join(args.shapes)} at {','.join(map(str, args.tokens))} tokens/rank, "
                 f"{CPU_RANKS} gloo ranks, {args.iters} iterations after {args.warmup} warmup, "
@@ -258,6 +269,10 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
                 f"tokens/rank need NVIDIA GPUs: run ./scripts/bench_layer.sh "
                 f"{shlex.join(sys.argv[1:] if argv is None else argv)} on a machine with them"
             )
+        if dropped:
+            lines.append(f"[bench_layer] no NVIDIA GPU visible: running {', '.join(args.variants)}, leaving out "
+                         f"{', '.join(dropped)}. {gpu_only_reasons(dropped)}")
+    note = "\n".join(lines) or None
 
     args.precision_name = "bf16" if args.precision == "auto" else args.precision
     try:
@@ -273,6 +288,27 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     if device.type == "cpu" and args.backend_left_out:
         args.backend_reason = CPU_BACKEND_REASON
     return args, note
+
+
+def cpu_refusal(variant: str) -> str | None:
+    """Why ``variant`` cannot run on the CPU, or None where it can."""
+    if variant == "stock_compiled":
+        return "needs a GPU (it compiles the grouped GEMM as TorchTitan does there)"
+    if variant == "stock_fp8":
+        return stock_fp8_refusal(torch.device("cpu"))
+    return None
+
+
+def without_gpu_only(variants: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``variants`` less those that need a GPU, and why each of those was left out: a
+    command written for GPUs still runs on the CPU, as an A/B of the variants that can."""
+    dropped = {name: why for name in variants if (why := cpu_refusal(name))}
+    return [name for name in variants if name not in dropped], dropped
+
+
+def gpu_only_reasons(dropped: dict[str, str]) -> str:
+    """One sentence per variant left out: its name and why it needs a GPU."""
+    return " ".join(f"{name} {why}." for name, why in dropped.items())
 
 
 def stock_fp8_refusal(device: torch.device) -> str | None:
@@ -823,6 +859,20 @@ def plot(rows, meta, path: Path) -> str:
     return f"wrote {path}"
 
 
+def new_run_folder(parent: Path) -> Path:
+    """A new folder in ``parent`` for one run's files, named by its start time (with a
+    count after it where a run that started in the same second has the name): a run never
+    overwrites an earlier one's results."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for count in itertools.count(1):
+        folder = parent / (stamp if count == 1 else f"{stamp}-{count}")
+        try:
+            folder.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return folder
+
+
 def free(layers) -> None:
     """Give a shape's layers and compiled code back before the next shape."""
     layers.clear()
@@ -847,6 +897,8 @@ def run(args, device, note) -> None:
 
     if note:  # started by torchrun directly, not through the launcher
         say(note)
+    out = new_run_folder(Path(args.out)) if rank0 else None
+    say(f"[bench_layer] this run writes its files to {out}")
     dtype = COMPUTE_DTYPE[device.type]
     meta = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "gpu_timings": cuda, "ep": world,
@@ -880,8 +932,6 @@ def run(args, device, note) -> None:
         free(layers)
 
     if rank0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         table = markdown(rows, meta)
         (out / "bench_layer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         (out / "bench_layer.md").write_text(table)

@@ -297,7 +297,7 @@ def torch_impl(case: GemmCase, ops: Operands, layout, out):
 
 TL_WGRAD_TILES = dict(wgrad_kernel="tl", wgrad_m=64, wgrad_n=128, wgrad_k=128, wgrad_warps=4, wgrad_stages=3)
 """The ``tl`` weight-gradient kernel's tiles in the sm90 fp8 row before the Gluon kernel took
-it (docs/perf.md v16, v43)."""
+it (docs/perf-history.md v16, v43)."""
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ GPU; more is not measured). Writes each group's log (``DIR/<group>.log``) and
 the limit stopped it) and exits non-zero if a group failed or was stopped. ``--list``
 prints each group's pytest arguments and runs nothing.
 
-The test times the groups follow are in docs/perf.md (v47, v49, v50): on one H100 the
+The test times the groups follow are in docs/perf-history.md (v47, v49, v50): on one H100 the
 largest group, fused_rest, took about 430 s.
 """
 

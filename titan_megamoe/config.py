@@ -89,14 +89,13 @@ class MegaMoE:
 
     receive_load: float = DEFAULT_RECEIVE_LOAD
     """Fused backend: the buffers that hold a row per row a rank receives (the expert
-    inputs, the output gradients, GEMM1's output) are first sized for this multiple of the
-    rows a rank receives on average (tokens x top-k). Where that is fewer than every row
-    any routing can bring (EP x the mean: above EP 2 at the default 2), each forward, its
-    kernels queued, reads on the host the most rows any rank received; a routing that
-    brought more made that run do nothing, and every rank grows the buffers (logged) and
-    runs the forward again: no row is ever dropped. 0 = sized for every row any routing can
-    bring. The operator's buffers at Qwen3-30B-A3B, 16,384 tokens, EP 8, bf16: 10.0 GiB at
-    0, 2.9 at 2, 2.0 at 1.25."""
+    inputs, the output gradients, GEMM1's output) hold a window of this multiple of the
+    rows a rank receives on average (tokens x top-k), at most every row any routing can
+    bring (EP x the mean: above EP 2 at the default 2); 0 = that most. A routing that
+    brings a rank more runs the rows past the window in further rounds through the same
+    buffers, at the same results (no row is ever dropped, the host waits for nothing), and
+    every rank grows the window for later calls (logged). The operator's buffers at
+    Qwen3-30B-A3B, 16,384 tokens, EP 8, bf16: 10.0 GiB at 0, 2.9 at 2, 2.0 at 1.25."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Fused backend: wall-clock limit, in seconds, of any wait on a peer rank; past it

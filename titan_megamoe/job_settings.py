@@ -83,6 +83,19 @@ def _note_fused_only_settings(section: MegaMoE, backend: str) -> None:
         )
 
 
+def _unquantized_gemms(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """For the log: the dtype the GEMMs of an unquantized precision multiply in on
+    ``backend``, for experts computing in ``dtype`` (not bf16) that the fused kernels take
+    no copies of (``fused_support.operand_cast``)."""
+    if backend != "stock":
+        return f"the {backend} backend's GEMMs run in {dtype}"
+    if device.type == "cuda":
+        # TorchTitan's grouped-MM expert function casts tokens and weights to bf16,
+        # whatever the parameters' dtype.
+        return "TorchTitan's grouped GEMMs run on torch.bfloat16 copies"
+    return f"TorchTitan's own expert function picks the GEMMs' dtype on {device.type}"
+
+
 def resolve(section: MegaMoE, auto_precision: Callable[[], tuple[str, str]], facts: JobFacts) -> ResolvedSettings:
     """The settings of every converted layer of the job, logged in one line.
 
@@ -103,6 +116,10 @@ def resolve(section: MegaMoE, auto_precision: Callable[[], tuple[str, str]], fac
     computes = str(dtype)
     if cast is not None and backend == "fused":
         computes += f"; {cast.describe(dtype)}"
+    elif not precision.quantized and dtype != torch.bfloat16:
+        # 'bf16' names the unquantized format, not a dtype: say which dtype its GEMMs multiply in.
+        gemms = _unquantized_gemms(backend, facts.device, dtype)
+        computes += f"; precision {precision_name!r} is unquantized: {gemms}"
     settings = OperatorSettings(
         precision=precision,
         backend=backend,

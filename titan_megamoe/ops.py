@@ -355,9 +355,18 @@ def _resolve_auto(encoded: str, device: torch.device, dtype: torch.dtype, weight
             _logged_auto.add((name, why))
             (logger.info if name == "fused" else logger.warning)(
                 f"mega_moe: backend 'auto' runs the operator on '{name}' for {dtype} experts in precision "
-                f"{settings.precision.name!r} on {device.type}: {why}")
+                f"{settings.precision.name!r}{_reference_gemms(name, dtype, settings.precision)} on {device.type}: "
+                f"{why}")
         resolved = _AUTO_SETTINGS[key] = settings.replace(backend=name).encode()
     return resolved
+
+
+def _reference_gemms(name: str, dtype: torch.dtype, precision: Precision) -> str:
+    """For the log: the dtype the reference's GEMMs multiply in where an unquantized
+    precision's name (``bf16``) is not it."""
+    if name != "reference" or precision.quantized or dtype == torch.bfloat16:
+        return ""
+    return f" (unquantized: the GEMMs run in {dtype})"
 
 
 def _what_auto_runs(x: Tensor, w1: Tensor, settings: OperatorSettings) -> str:

@@ -4,6 +4,7 @@ launch goes through Triton, so these tests stand in for GPU launches with a reco
 kernel; the GPU tests run the real ones.)"""
 
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def _kernel():
 def on_gpu(monkeypatch):
     monkeypatch.setattr(launching, "INTERPRET", False)
     monkeypatch.setattr(launching, "_COMPILED", {})
+    monkeypatch.setattr(launching, "_RECENT", {})
     monkeypatch.setattr(launching, "_current_device", lambda: 0)
 
 
@@ -88,6 +90,47 @@ def test_what_triton_specializes_on_takes_triton_s_path_again(on_gpu, change):
     launching.launch(kernel, (1,), *changed["args"], **changed["kwargs"])
     launching.launch(kernel, (1,), *changed["args"], **changed["kwargs"])
     assert [s[0] for s in kernel.seen] == ["jit", "jit", "compiled"], change
+
+
+def test_a_steady_launch_keys_only_the_arguments_that_are_new_objects(on_gpu, monkeypatch):
+    kernel = _kernel()
+    buffer = torch.zeros(8)
+    for _ in range(2):  # the first compiles, the second finds the compiled kernel
+        launching.launch(kernel, (1,), torch.zeros(8), 4096, True, buffer, BLOCK=16)
+    keyed = []
+    key_of = launching._key_of
+    monkeypatch.setattr(launching, "_key_of", lambda value, c: keyed.append(value) or key_of(value, c))
+    x = torch.zeros(8)
+    launching.launch(kernel, (1,), x, 4096 + int("0"), True, buffer, BLOCK=16)
+    # The new tensor and the equal but new integer are keyed; the buffer, the bool and the
+    # constexprs are not.
+    assert keyed == [x, 4096]
+    assert [s[0] for s in kernel.seen] == ["jit", "compiled", "compiled"]
+    assert kernel.seen[-1][2][0] is x
+
+
+def test_kernels_launched_in_turns_of_specializations_keep_each_one(on_gpu):
+    kernel = _kernel()
+    small, wide = torch.zeros(8), torch.zeros(8, dtype=torch.float64)
+    for _ in range(3):
+        launching.launch(kernel, (1,), small, 32, True, None, BLOCK=16)
+        launching.launch(kernel, (1,), wide, 32, True, None, BLOCK=64)
+    assert [s[0] for s in kernel.seen] == ["jit", "jit"] + ["compiled"] * 4
+    assert len(launching._RECENT[kernel]) == 2
+
+
+def test_a_launch_keeps_no_tensor_alive(on_gpu):
+    kernel = _kernel()
+    x = torch.zeros(8)
+    for _ in range(3):
+        launching.launch(kernel, (1,), x, 32, True, x, BLOCK=16)
+    held = weakref.ref(x)
+    kernel.seen.clear()
+    del x
+    assert held() is None
+    # A new tensor in its place is keyed, not taken for the old one: another dtype compiles.
+    launching.launch(kernel, (1,), torch.zeros(8, dtype=torch.int32), 32, True, None, BLOCK=16)
+    assert [s[0] for s in kernel.seen] == ["jit"]
 
 
 def test_a_tma_descriptor_is_keyed_by_its_tile_not_its_tensor(on_gpu):

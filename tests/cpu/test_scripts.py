@@ -1,14 +1,17 @@
-"""The README's commands on a machine without a GPU: bench_layer's argument checks, its
-CPU A/B (first line at once, progress, a table without empty columns; no speedup, rate
-or plot, and a header and summary saying its timings say nothing about GPU speed; a
-GPU run's titled plot),
+"""The README's commands on a machine without a GPU: bench_layer's argument checks, the
+variants that need a GPU left out there with a line saying which, its CPU A/B (first
+line at once, progress, a table without empty columns; no speedup, rate or plot, and a
+header and summary saying its timings say nothing about GPU speed; each run's files in a
+new folder; a GPU run's titled plot),
 the training scripts refusing at once, the training A/B's stock TOMLs, its report of
 two or three runs and its optional stock_bf16 run, and every SM90 kernel compiled here
 fitting the GPU's shared memory."""
 
 import json
 import os
+import re
 import selectors
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,9 +62,10 @@ sm_sharing = load_script("sm_sharing")
         (["--receive-load", "-1"], ["--receive-load", "'-1' is not a number >= 0"]),
         # The fused backend cannot run on the CPU: refused with the reason, before any rank starts.
         (["--backend", "fused"], ["--backend fused", "cannot run here"]),
-        (["--variants", "stock,stock_compiled"], ["--variants", "stock_compiled needs a GPU"]),
-        (["--variants", "stock,stock_fp8,mega_moe"],
-         ["--variants", "stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9", "none is visible here"]),
+        # Variants that need a GPU are left out on the CPU (below): refused only where none is left.
+        (["--variants", "stock_compiled,stock_fp8"],
+         ["--variants: none of them runs without a GPU", "stock_compiled needs a GPU",
+          "stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9", "none is visible here"]),
         (["--variants", "mega_moe_bf16,mega_moe"],
          ["--variants: mega_moe_bf16 sets a quantized --precision against bf16", "--precision bf16"]),
     ],
@@ -116,6 +120,50 @@ def test_bench_layer_cpu_defaults_and_backend_resolution():
     args, _ = bench_layer.parse_args(CPU, ["--backend", "auto", "--ep-spans-nodes"])
     assert args.resolved_backend == "stock"
     assert "fused" in args.backend_reason and "spans nodes" in args.backend_reason
+
+
+@pytest.mark.parametrize(
+    "argv, runs",
+    [(["--variants", "stock,stock_fp8,mega_moe_bf16,mega_moe", "--precision", "fp8"],
+      ["stock", "mega_moe_bf16", "mega_moe"]),
+     (["--variants", "stock,stock_compiled,stock_fp8,mega_moe", "--shapes", "debug", "--tokens", "64"],
+      ["stock", "mega_moe"])],
+)
+def test_bench_layer_leaves_out_gpu_only_variants_on_the_cpu_and_says_which(argv, runs):
+    """A command written for GPUs runs on the CPU: the variants that need a GPU are left
+    out, and a line names each and why, whether or not the CPU defaults replace the rows."""
+    args, note = bench_layer.parse_args(CPU, argv)
+    assert args.variants == runs
+    assert len(note.splitlines()) == (2 if "--shapes" not in argv else 1), note
+    left_out = note.splitlines()[-1]
+    assert left_out.startswith(f"[bench_layer] no NVIDIA GPU visible: running {', '.join(runs)}, leaving out "), note
+    assert "stock_fp8 needs an NVIDIA GPU of compute capability >= 8.9 (fp8 grouped GEMMs); none is visible here." \
+        in left_out
+    assert ("stock_compiled needs a GPU" in left_out) is ("stock_compiled" in argv[1])
+    # The ranks get the variants that run, and say nothing more of those left out.
+    again, note = bench_layer.parse_args(CPU, bench_layer.worker_argv(args))
+    assert again.variants == runs and note is None
+
+
+def test_bench_layer_readme_commands_run_on_the_cpu():
+    """Every ./scripts/bench_layer.sh command of the README's shell blocks is accepted as
+    written on a machine without a GPU."""
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    commands = [line for block in blocks for line in block.splitlines() if line.startswith("./scripts/bench_layer.sh")]
+    assert commands
+    for command in commands:
+        args, note = bench_layer.parse_args(CPU, shlex.split(command.partition("#")[0])[1:])
+        assert args.variants and "stock_fp8" not in args.variants, command
+        assert note.startswith("[bench_layer] no NVIDIA GPU visible: running a small CPU A/B instead"), note
+
+
+def test_each_bench_run_writes_a_new_folder(monkeypatch, tmp_path):
+    """Two runs, even in the same second, never write into one folder."""
+    monkeypatch.setattr(bench_layer.time, "strftime", lambda fmt: "20260101-120000")
+    first, second = (bench_layer.new_run_folder(tmp_path / "bench") for _ in range(2))
+    assert (first.name, second.name) == ("20260101-120000", "20260101-120000-2")
+    assert first.is_dir() and second.is_dir()
 
 
 @pytest.mark.parametrize("backend", [[], ["--backend", "reference"]])
@@ -411,6 +459,11 @@ def test_cpu_main_job_prints_at_once_and_runs_a_small_ab(tmp_path):
     assert process.returncode == 0, first + rest
     assert "CPU timings say nothing about GPU speed" in first
     lines = rest.splitlines()
+    (folder,) = [line.removeprefix("[bench_layer] this run writes its files to ") for line in lines
+                 if line.startswith("[bench_layer] this run writes its files to ")]
+    folder = Path(folder)
+    assert folder.parent == tmp_path and folder.is_dir()
+    assert f"wrote {folder / 'bench_layer.json'} and {folder / 'bench_layer.md'}" in lines
     at = next(i for i, line in enumerate(lines) if line.startswith("[bench_layer] cpu x2"))
     header, caveat = lines[at:at + 2]
     assert "weights and activations float32 in every variant; mega_moe backend reference (chosen for the CPU: " in header
@@ -419,12 +472,12 @@ def test_cpu_main_job_prints_at_once_and_runs_a_small_ab(tmp_path):
     for variant in ("stock", "mega_moe"):
         assert f"[bench_layer] debug 64 tokens/rank: {variant} started" in rest
         assert any(line.startswith(f"[bench_layer] debug 64 tokens/rank: {variant} done in ") for line in lines)
-    table = (tmp_path / "bench_layer.md").read_text()
+    table = (folder / "bench_layer.md").read_text()
     header = assert_no_empty_column(table)
     assert "stock fwd+bwd ms" in header and "mega fwd+bwd ms" in header
     assert not any("speedup" in h or "TFLOP/s" in h for h in header), header
-    assert json.loads((tmp_path / "bench_layer.json").read_text())["rows"][0]["speedup"] == {}
-    assert not (tmp_path / "bench_layer.png").exists()
+    assert json.loads((folder / "bench_layer.json").read_text())["rows"][0]["speedup"] == {}
+    assert not (folder / "bench_layer.png").exists()
     summary = next(line for line in lines if line.startswith("[bench_layer] summary: "))
     assert summary.startswith("[bench_layer] summary: mega_moe's largest relative error against stock: "), summary
     assert "CPU timings say nothing about GPU speed" in summary

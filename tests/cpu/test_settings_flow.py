@@ -153,6 +153,39 @@ def test_the_log_says_how_the_fused_gemms_multiply():
     assert fp8_mma("sm100", get_precision("mxfp8"))
 
 
+@pytest.mark.parametrize(
+    "backend, device, dtype, precision, says",
+    [("reference", "cpu", torch.float32, "bf16",
+      "experts compute in torch.float32; precision 'bf16' is unquantized: the reference backend's GEMMs run in "
+      "torch.float32)"),
+     # Fused refuses these experts here, and stock runs them: TorchTitan's GEMMs take bf16 copies.
+     ("auto", "cuda", torch.float32, "bf16",
+      "on backend 'stock' (auto; skipped fused: the tile table has no row for a test GPU; it has: sm100, sm90 "
+      "(H100/H200, B200); experts compute in torch.float32; precision 'bf16' is unquantized: TorchTitan's grouped "
+      "GEMMs run on torch.bfloat16 copies)"),
+     ("stock", "cpu", torch.float32, "bf16",
+      "precision 'bf16' is unquantized: TorchTitan's own expert function picks the GEMMs' dtype on cpu)"),
+     # Where the dtype is bf16, or the precision names quantized formats, the name says what runs.
+     ("reference", "cpu", torch.bfloat16, "bf16", "(asked for; experts compute in torch.bfloat16)"),
+     ("reference", "cpu", torch.float32, "fp8", "(asked for; experts compute in torch.float32)")],
+)
+def test_the_job_log_says_which_dtype_unquantized_gemms_run_in(backend, device, dtype, precision, says,
+                                                                monkeypatch, caplog):
+    """The job's log line for experts that compute in float32: precision 'bf16' names the
+    unquantized format, so the line says the dtype the GEMMs run in on the backend chosen."""
+    from titan_megamoe import job_settings
+    from titan_megamoe.config import MegaMoE
+
+    monkeypatch.setattr(fused_support, "arch", lambda device: (None, "a test GPU"))
+    facts = job_settings.JobFacts(tokens_per_rank=64, expert_dtype=dtype, device=torch.device(device),
+                                  ep_within_node=True)
+    with caplog.at_level("INFO", logger="titan_megamoe.job_settings"):
+        job_settings.resolve(MegaMoE(precision=precision, backend=backend), lambda: ("bf16", "no converter"), facts)
+    (line,) = [r.getMessage() for r in caplog.records if "routed experts run" in r.getMessage()]
+    assert says in line, line
+    assert line.count("is unquantized") == (precision == "bf16" and dtype == torch.float32), line
+
+
 def test_named_backend_runs_or_says_why(monkeypatch):
     monkeypatch.setattr(fused_support, "unsupported_reason", lambda *_: "test: no GPU")
     where = (torch.device("cpu"), torch.float32, get_precision("bf16"))
@@ -224,8 +257,9 @@ def test_operator_resolves_auto_for_the_inputs_device(fused_runs, compiled, monk
     resolved = "fused" if fused_runs else "reference"
     assert seen[:2] == [resolved, resolved]
     (line,) = [r.getMessage() for r in caplog.records if "backend 'auto'" in r.getMessage()]
+    gemms = "" if fused_runs else " (unquantized: the GEMMs run in torch.float32)"
     assert line.startswith(f"mega_moe: backend 'auto' runs the operator on '{resolved}' for torch.float32 experts "
-                           "in precision 'bf16' on cpu"), line
+                           f"in precision 'bf16'{gemms} on cpu"), line
     if not fused_runs:
         assert "the fused backend cannot run here (test: no fused kernels here)" in line
 

@@ -124,11 +124,12 @@ def _load_kernels_only(loaded: dict):
 
     JITFunction.run = load_only
     compiled, launching._COMPILED = launching._COMPILED, Unkept()
+    recent, launching._RECENT = launching._RECENT, {}
     try:
         yield
     finally:
         JITFunction.run = launch
-        launching._COMPILED = compiled
+        launching._COMPILED, launching._RECENT = compiled, recent
 
 
 def _reserve_local_memory(loaded: dict) -> None:

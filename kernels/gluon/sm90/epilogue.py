@@ -230,7 +230,7 @@ def swiglu_backward_rows(acc, staging, outs, dab_q, dab_scales, rows0, row_end, 
     thread_barrier()
     # Each part's g and u are loaded two parts ahead (32 registers): loaded just before
     # it, each part waited for its loads alone, behind the last part's stores. The
-    # compiler still moves the first use of g up to its load (docs/perf.md v51).
+    # compiler still moves the first use of g up to its load (docs/perf-history.md v51).
     gl.static_assert(SWIGLU_GRAD_PARTS == 4, "the pre-activations load in four named parts")
     g0, u0 = _preact_part(rows, live, n0, outs, layout=layout, PART_N=PART_N)
     g1, u1 = _preact_part(rows, live, n0 + PART_N, outs, layout=layout, PART_N=PART_N)
