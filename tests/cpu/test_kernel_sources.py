@@ -7,7 +7,7 @@ most one constexpr by position."""
 import ast
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "titan_megamoe" / "kernels"
 PACKAGE = "titan_megamoe.kernels"
 
 

@@ -262,7 +262,7 @@ def test_memory_at_peak_finds_the_blocks_live_then():
     """An allocator trace: the peak is the largest sum of live blocks over time (from
     the bytes allocated before), the blocks live then are the ones listed, a block freed
     before the peak is not, and each is named by this project's innermost frame."""
-    ours = {"filename": str(REPO / "kernels" / "backward.py"), "line": 7, "name": "fused_backward"}
+    ours = {"filename": str(REPO / "titan_megamoe" / "kernels" / "backward.py"), "line": 7, "name": "fused_backward"}
     torch_frame = {"filename": "/usr/lib/python3/site-packages/torch/functional.py", "line": 3, "name": "empty"}
     trace = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame, ours]},
