@@ -54,7 +54,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import titan_megamoe
-from titan_megamoe import cpu_compat
 from titan_megamoe.ops import BACKENDS, resolve_backend
 from titan_megamoe.precision import GROUPED_MM_FLOAT8, PRECISION_CHOICES, get_precision
 from titan_megamoe.reference import relative_error
@@ -288,6 +287,16 @@ def parse_args(device: torch.device, argv=None) -> tuple[argparse.Namespace, str
     if device.type == "cpu" and args.backend_left_out:
         args.backend_reason = CPU_BACKEND_REASON
     return args, note
+
+
+def cpu_shims():
+    """The tests' CPU shims (``tests/cpu/cpu_compat.py``), which let stock TorchTitan's MoE
+    layers run on gloo ranks: support code of this repository, not of the package."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "cpu" / "cpu_compat.py"
+    spec = importlib.util.spec_from_file_location("cpu_compat", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_refusal(variant: str) -> str | None:
@@ -886,7 +895,7 @@ def run(args, device, note) -> None:
     """One rank of the benchmark (under torchrun)."""
     cuda = device.type == "cuda"
     if not cuda:
-        cpu_compat.apply()
+        cpu_shims().apply()
     dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
     rank0 = dist.get_rank() == 0

@@ -8,6 +8,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cpu"))
 # when CUDA starts, so set before any test touches the GPU.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
-from titan_megamoe import cpu_compat  # noqa: E402
+import cpu_compat  # noqa: E402  (tests/cpu)
 
 cpu_compat.apply()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titan_megamoe import cpu_compat
+import cpu_compat
 
 
 def _free_port() -> int:

@@ -61,7 +61,7 @@ def build(layout: str, score_before: bool, convert: bool, state: dict | None, pa
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.qwen3 import parallelize_qwen3, Qwen3Model
 
-    from titan_megamoe import cpu_compat
+    import cpu_compat
     from titan_megamoe.converter import MegaMoEConverter
 
     job = job_config(layout, ["mega_moe"] if convert else [], param_dtype, backend)

@@ -46,7 +46,7 @@ def _trainer_on_cpu() -> None:
     # What importing the package registers once TorchTitan is loaded: ``ranks`` imported
     # the package first.
     import titan_megamoe.registry  # noqa: F401
-    from titan_megamoe import cpu_compat
+    import cpu_compat
 
     cpu_compat.apply()
     stats = SimpleNamespace(max_active_gib=0.0, max_active_pct=0.0, max_reserved_gib=0.0, max_reserved_pct=0.0,

@@ -1,7 +1,9 @@
 """Lets stock TorchTitan run its MoE layers (0.2.2) and its trainer (0.3.0) on a host
 without CUDA (gloo ranks).
 
-Used by the CPU layer A/B and the CPU tests; on a CUDA host ``apply()`` does nothing.
+Support code of the CPU tests and of the CPU layer A/B (``scripts/bench_layer.py``), not
+of the package: nothing a user's job runs patches torch or TorchTitan. On a CUDA host
+``apply()`` does nothing.
 It applies the patches of the installed TorchTitan (``PATCHES``); each works around one
 assumption of that release:
 
