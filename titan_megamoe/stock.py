@@ -49,7 +49,7 @@ from torchtitan.models.moe.kernels import generate_permute_indices
 from torchtitan.models.moe.moe import _run_experts_for_loop
 from torchtitan.models.moe.utils import _unpermute
 
-from titan_megamoe.ops import check_inputs
+from titan_megamoe.inputs import check_inputs
 from titan_megamoe.precision import FP8_BLOCK, MXFP8, NATIVE, Precision
 
 _RECIPES: dict[tuple, str] = {
