@@ -83,8 +83,8 @@ class CallPlans:
         if cast is None and dtype != weight_dtype:
             cast = fused_support.OperandCasts(computes, computes)
         # The converter checked the EP group; the device, dtype and shapes are new here.
-        reason = (fused_support.unsupported_reason(device, cast.tokens if cast else dtype, settings.precision, True)
-                  or fused_support.shape_unsupported_reason(settings.precision, intermediate_size))
+        reason = fused_support.why_not(device, cast.tokens if cast else dtype, settings.precision,
+                                       intermediate_size=intermediate_size)
         if reason is None:
             if cast is not None and (computes, cast) not in _logged_casts:
                 _logged_casts.add((computes, cast))

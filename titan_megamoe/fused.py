@@ -78,8 +78,8 @@ def _tiles(device: torch.device, fmt: Format) -> TileConfig:
 
 
 def _check_runs(x: torch.Tensor, w1: torch.Tensor, settings: OperatorSettings) -> None:
-    reason = (fused_support.unsupported_reason(x.device, x.dtype, settings.precision, ep_within_node=True)
-              or fused_support.weights_unsupported_reason(x.dtype, w1.dtype, settings.precision))
+    reason = fused_support.why_not(x.device, x.dtype, settings.precision, weight_dtype=w1.dtype,
+                                   intermediate_size=w1.shape[1])
     if reason:
         raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
 
@@ -334,9 +334,6 @@ def _plan(x, topk_idx, w1, group: symm.Group, settings: OperatorSettings) -> Cal
     plan = _PLANS.get(key)
     if plan is None:
         _check_runs(x, w1, settings)
-        reason = fused_support.shape_unsupported_reason(settings.precision, w1.shape[1])
-        if reason:
-            raise NotImplementedError(f"mega_moe fused backend cannot run: {reason}")
         buffers = _buffers(group, x.device, _shape(x, topk_idx, w1, group, settings), settings)
         plan = CallPlan(buffers, *_programs(x, group, settings))
         _PLANS[key] = plan

@@ -68,6 +68,27 @@ def _cuda_arch(index: int) -> tuple[str | None, str]:
     return arch_of((major, minor)), f"{name} (compute capability {major}.{minor})"
 
 
+def why_not(device: torch.device, dtype: torch.dtype, precision: Precision, *,
+            weight_dtype: torch.dtype | None = None, intermediate_size: int | None = None,
+            ep_within_node: bool = True) -> str | None:
+    """Why the fused backend cannot run experts computing in ``dtype`` on ``device`` in
+    ``precision`` (with weights of ``weight_dtype`` and an intermediate size of
+    ``intermediate_size``, where given; the EP group on one node or not), or None if it can:
+    the one question every caller asks (``unsupported_reason``,
+    ``weights_unsupported_reason``, ``shape_unsupported_reason``, in that order)."""
+    reason = unsupported_reason(device, dtype, precision, ep_within_node)
+    if reason is None and weight_dtype is not None:
+        reason = weights_unsupported_reason(dtype, weight_dtype, precision)
+    if reason is None and intermediate_size is not None:
+        reason = shape_unsupported_reason(precision, intermediate_size)
+    return reason
+
+
+def can_run(device: torch.device, dtype: torch.dtype, precision: Precision, **facts) -> bool:
+    """Whether the fused backend runs these experts (``why_not`` is None)."""
+    return why_not(device, dtype, precision, **facts) is None
+
+
 def auto_unsupported_reason(
     device: torch.device, dtype: torch.dtype, precision: Precision, ep_within_node: bool
 ) -> str | None:

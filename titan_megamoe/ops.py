@@ -57,8 +57,9 @@ class OpImpl:
 class Backend:
     """One way to run the routed experts.
 
-    ``unsupported(device, dtype, precision, ep_within_node)`` says why it cannot run
-    there, or None. ``op`` is what the custom ops run, None for ``stock`` (the layer
+    ``unsupported(device, dtype, precision, ep_within_node[, weight_dtype,
+    intermediate_size])`` says why it cannot run there (with these experts' weights, where
+    given), or None. ``op`` is what the custom ops run, None for ``stock`` (the layer
     calls TorchTitan's path itself). ``auto`` says, in the same form, why
     ``resolve_backend("auto", ...)`` passes this backend over (None: it never takes it);
     backends are tried in ``BACKENDS`` order. ``auto_note(precision)``: what the reason
@@ -110,9 +111,9 @@ def _fused_saved_shapes(*args):
     return fused.saved_shapes(*args)
 
 
-def _fused_unsupported(*args) -> str | None:
-    # Looked up per call, so that a patched check (tests) is the one used.
-    return fused_support.unsupported_reason(*args)
+def _fused_unsupported(device, dtype, precision, ep_within_node, weight_dtype=None, intermediate_size=None):
+    return fused_support.why_not(device, dtype, precision, weight_dtype=weight_dtype,
+                                 intermediate_size=intermediate_size, ep_within_node=ep_within_node)
 
 
 def _fused_auto_unsupported(*args) -> str | None:
@@ -121,8 +122,8 @@ def _fused_auto_unsupported(*args) -> str | None:
 
 # The stock path is the installed TorchTitan's, imported on first use: the operator itself
 # needs no TorchTitan.
-def _stock_unsupported(*args) -> str | None:
-    return titan_version.stock_path().unsupported_reason(*args)
+def _stock_unsupported(device, dtype, precision, ep_within_node, *_experts) -> str | None:
+    return titan_version.stock_path().unsupported_reason(device, dtype, precision, ep_within_node)
 
 
 def _stock_auto_note(precision: Precision) -> str | None:
@@ -277,14 +278,6 @@ SAVE_LIST_OPS = (torch.ops.titan_megamoe.moe_forward.default,)
 """Ops whose outputs selective activation checkpointing should save, not recompute."""
 
 
-def _fused_operands_reason(dtype: torch.dtype, weight_dtype: torch.dtype, precision: Precision,
-                           intermediate_size: int) -> str | None:
-    """Why the fused kernels cannot take these experts' weights (their dtype against the
-    tokens', their intermediate size), or None."""
-    return (fused_support.weights_unsupported_reason(dtype, weight_dtype, precision)
-            or fused_support.shape_unsupported_reason(precision, intermediate_size))
-
-
 def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision: Precision,
                              intermediate_size: int, weight_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """The operator backend that ``backend="auto"`` runs experts of ``intermediate_size``
@@ -292,8 +285,7 @@ def resolve_operator_backend(device: torch.device, dtype: torch.dtype, precision
     ``precision`` with on ``device``, and why: ``fused`` where it can run, else
     ``reference``, which runs on any device (``stock`` is not this operator: a MoE layer
     calls it instead, ``resolve_backend``)."""
-    reason = (BACKENDS["fused"].unsupported(device, dtype, precision, True)
-              or _fused_operands_reason(dtype, weight_dtype or dtype, precision, intermediate_size))
+    reason = BACKENDS["fused"].unsupported(device, dtype, precision, True, weight_dtype or dtype, intermediate_size)
     if reason is None:
         return "fused", "the fused kernels run here"
     return "reference", (f"the fused backend cannot run here ({reason}); the reference backend, pure PyTorch "
@@ -370,9 +362,7 @@ def _check_settings(settings: OperatorSettings, x: Tensor, w1: Tensor, ep: int) 
             f"{name}'s computation"
         )
     # Whether the EP group spans nodes is the caller's to check (the converter does).
-    reason = backend.unsupported(x.device, x.dtype, settings.precision, True)
-    if name == "fused":
-        reason = reason or _fused_operands_reason(x.dtype, w1.dtype, settings.precision, w1.shape[1])
+    reason = backend.unsupported(x.device, x.dtype, settings.precision, True, w1.dtype, w1.shape[1])
     if reason is not None:
         raise NotImplementedError(
             f"settings.backend = {name!r} cannot run here: {reason}; {_what_auto_runs(x, w1, settings)}")
