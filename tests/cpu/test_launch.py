@@ -119,18 +119,23 @@ def test_kernels_launched_in_turns_of_specializations_keep_each_one(on_gpu):
     assert len(launching._RECENT[kernel]) == 2
 
 
-def test_a_launch_keeps_no_tensor_alive(on_gpu):
+def test_a_launch_keeps_no_call_s_tensor_alive(on_gpu):
+    """A tensor that changes from launch to launch (a call's own) is not kept; one passed
+    again and again (a buffer) is, until a launch passes another in its place."""
     kernel = _kernel()
-    x = torch.zeros(8)
+    buffer = torch.zeros(8)
     for _ in range(3):
-        launching.launch(kernel, (1,), x, 32, True, x, BLOCK=16)
-    held = weakref.ref(x)
+        x = torch.zeros(8)
+        launching.launch(kernel, (1,), x, 32, True, buffer, BLOCK=16)
+    call_s, buffer_s = weakref.ref(x), weakref.ref(buffer)
     kernel.seen.clear()
-    del x
-    assert held() is None
-    # A new tensor in its place is keyed, not taken for the old one: another dtype compiles.
+    del x, buffer
+    assert call_s() is None and buffer_s() is not None
+    launching.launch(kernel, (1,), torch.zeros(8), 32, True, torch.zeros(8), BLOCK=16)
+    assert buffer_s() is None
+    # A new tensor in a released one's place is keyed, not taken for it: another dtype compiles.
     launching.launch(kernel, (1,), torch.zeros(8, dtype=torch.int32), 32, True, None, BLOCK=16)
-    assert [s[0] for s in kernel.seen] == ["jit"]
+    assert [s[0] for s in kernel.seen] == ["compiled", "jit"]
 
 
 def test_a_tma_descriptor_is_keyed_by_its_tile_not_its_tensor(on_gpu):

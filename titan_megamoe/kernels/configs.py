@@ -344,9 +344,11 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
         copy_rows=16, copy_cols=512, reduce_tokens=64, reduce_cols=512, reduce_warps=16, transpose_block=64,
         wgrad_m=128, wgrad_n=128, wgrad_k=128, wgrad_warps=8, wgrad_stages=3,
     ),
-    # Tiny tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
+    # Small tiles for the Triton interpreter (CPU tests); the fp8 row's GEMM1, GEMM2,
     # dgrad and backward-first-kernel tiles are half a block tall (the path where a tile
-    # splits a block). Experts start on multiples of 4 rows: tiles start inside them and
+    # splits a block). The quantized rows' GEMM2, dgrad and weight-gradient tiles are as
+    # wide as the interpreter runs fastest while the tests' 256-wide experts still take
+    # two tiles across. Experts start on multiples of 4 rows: tiles start inside them and
     # reach into the next expert's rows.
     # dgrad reads W1 and W3 as stored below 10 rows per expert: the fused checks' 37-token
     # calls take the copy, the others read them as stored.
@@ -362,12 +364,12 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     ("interpret", "fp8_block"): TileConfig(
         block_m=16, row_align=4, gemm1_claim_ahead=1,
         gemm1_m=8, gemm1_n=128, gemm1_k=32, gemm1_warps=4, gemm1_stages=1,
-        gemm2_m=8, gemm2_n=32, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
+        gemm2_m=8, gemm2_n=128, gemm2_k=32, gemm2_warps=4, gemm2_stages=1,
         grad1_m=8, grad1_n=128, grad1_saved_n=128, grad1_k=32, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
-        dgrad_m=8, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
-        copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=16,
-        wgrad_m=32, wgrad_n=32, wgrad_k=32, wgrad_warps=4,
+        dgrad_m=8, dgrad_n=128, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
+        copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=32, wgrad_warps=4, token_major_row_bytes=512,
     ),
     # mxfp8's K steps span one or two scale blocks (the scaled MMA takes whole ones); the
     # weight gradients' two, so each expert's tokens are padded to 64; token-major copies
@@ -375,13 +377,13 @@ TILE_CONFIGS: dict[tuple[str, str], TileConfig] = {
     # blocks (weights in bf16 are rounded as they are transposed).
     ("interpret", "mxfp8"): TileConfig(
         block_m=16, row_align=4,
-        gemm1_m=16, gemm1_n=32, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
-        gemm2_m=16, gemm2_n=32, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
-        grad1_m=16, grad1_n=32, grad1_saved_n=32, grad1_k=64, grad1_warps=4, grad1_stages=1,
+        gemm1_m=16, gemm1_n=128, gemm1_k=64, gemm1_warps=4, gemm1_stages=1,
+        gemm2_m=16, gemm2_n=128, gemm2_k=64, gemm2_warps=4, gemm2_stages=1,
+        grad1_m=16, grad1_n=128, grad1_saved_n=128, grad1_k=64, grad1_warps=4, grad1_stages=1,
         grad1_saved_stages=1,
-        dgrad_m=16, dgrad_n=32, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
-        copy_rows=4, copy_cols=32, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=32,
-        wgrad_m=32, wgrad_n=32, wgrad_k=64, wgrad_warps=4,
+        dgrad_m=16, dgrad_n=128, dgrad_k=32, dgrad_warps=4, dgrad_stages=1,
+        copy_rows=4, copy_cols=128, reduce_tokens=4, reduce_cols=16, reduce_warps=4, transpose_block=64,
+        wgrad_m=128, wgrad_n=128, wgrad_k=64, wgrad_warps=4, token_major_row_bytes=512,
     ),
 }
 """Rows by ``(architecture, format name)``: architectures as ``arch_of`` names them,

@@ -20,6 +20,8 @@ left out. Under the interpreter every launch takes Triton's path (it compiles no
 
 import inspect
 import weakref
+from itertools import compress
+from operator import is_not
 
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -115,8 +117,9 @@ def _key_of(value, is_constexpr: bool):
 class _RecentLaunch:
     """A launch straight to a compiled kernel. Most arguments of the next launch of the same
     specialization are the same objects (buffers, shapes, constexprs): only the others are
-    keyed, which takes a third of the host time of keying all (perf log v55). Tensors are
-    held by weak reference, so that no tensor outlives its last use for this."""
+    keyed (perf log v55). An argument passed again is held, one that changed is held by
+    weak reference: a call's own tensors are not kept alive, and a buffer replaced by
+    another is let go at the launch that passes the other."""
 
     __slots__ = ("device", "options", "held", "key", "compiled")
 
@@ -126,12 +129,17 @@ class _RecentLaunch:
 
     def same_key(self, values: list, constexpr: tuple) -> bool:
         """Whether ``values`` specialize as this launch's did."""
-        if len(values) != len(self.held):
+        held, key = self.held, self.key
+        if len(values) != len(held):
             return False
-        key = self.key
-        for i, (value, held) in enumerate(zip(values, self.held)):
-            if value is held or (type(held) is weakref.ref and held() is value):
-                continue
+        for i in compress(range(len(values)), map(is_not, values, held)):
+            value, kept = values[i], held[i]
+            if type(kept) is weakref.ref:
+                if kept() is value:
+                    held[i] = value  # passed again: held from now on
+                    continue
+            elif type(value) is torch.Tensor:
+                held[i] = weakref.ref(value)  # this argument changes between launches
             if _key_of(value, constexpr[i]) != key[i]:
                 return False
         return True

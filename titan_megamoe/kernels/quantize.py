@@ -23,8 +23,9 @@ _INV_E4M3_MAX = tl.constexpr(1.0 / E4M3_MAX)  # a Python float: an fp64 constant
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _INTERPRET = tl.constexpr(INTERPRET)
 
-ROWS_PER_PROGRAM, COLS_PER_PROGRAM = 16, 512
-"""Tile of one ``quantize_rows_kernel`` program: a multiple of every scale width (32, 128)."""
+ROWS_PER_PROGRAM, COLS_PER_PROGRAM = (64 if INTERPRET else 16), 512
+"""Tile of one ``quantize_rows_kernel`` program: a multiple of every scale width (32, 128).
+Taller under the interpreter, which runs each program's operations once over the tile."""
 
 
 @triton.jit
