@@ -875,3 +875,19 @@ def test_gpu_test_group_counts_and_limit(tmp_path):
     stopped = gpu_tests.run_group("slow", [str(slow)], 3, tmp_path)
     assert stopped["stopped_by_limit"] and stopped["rc"] is None and time.monotonic() - start < 30, stopped
     assert (tmp_path / "slow.log").exists()
+
+
+def test_launch_overhead_prints_and_writes_both_rows(tmp_path, capsys):
+    """The launch microbenchmark runs on a CPU host, prints its table and writes its JSON
+    (in process here: the launch module's switches it sets for itself are put back)."""
+    from titan_megamoe.kernels import launch as launching
+
+    launch_overhead = load_script("launch_overhead")
+    interpret, device = launching.INTERPRET, launching._current_device
+    try:
+        launch_overhead.main(["--iters", "20", "--out", str(tmp_path)])
+    finally:
+        launching.INTERPRET, launching._current_device = interpret, device
+    rows = json.loads((tmp_path / "launch_overhead.json").read_text())["us_per_launch"]
+    assert len(rows) == 2 and all(us > 0 for us in rows.values()), rows
+    assert "| launch |" in capsys.readouterr().out
