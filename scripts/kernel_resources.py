@@ -25,6 +25,7 @@ with Triton 3.6 and 3.9).
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -94,11 +95,14 @@ where the compiler lost their 16-byte alignment (every tile and row store here c
 bytes wide)."""
 
 
+@functools.cache
 def _usage(cubin: bytes) -> dict[str, int]:
     """Registers and stack bytes of a cubin, as ``cuobjdump -res-usage`` reports them, and
     from its machine code: instructions, subroutine calls (a correctly rounded division's
     slow path is one; the registers live across a call are spilled), local-memory
-    loads and stores (spills), narrow stores and the warp-specialized structure."""
+    loads and stores (spills), narrow stores and the warp-specialized structure. Once per
+    cubin: a call launches most kernels several times (rounds, phases), each launch of one
+    specialization the same cubin, and reading one takes ``cuobjdump`` half a second."""
     report, sass = _cuobjdump(cubin, "-res-usage", "-sass")
     found = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)", report)
     if found is None:
@@ -137,7 +141,7 @@ def compile_instead_of_launching(records: list[dict], capability: int) -> None:
         kernel = compile_kernel(self, *args, grid=grid, warmup=True, **kwargs)
         record = {"kernel": self.__name__, "num_warps": kernel.metadata.num_warps,
                   "num_stages": kernel.metadata.num_stages, "shared_bytes": kernel.metadata.shared}
-        record.update(_usage(kernel.asm["cubin"]))
+        record.update(_usage(bytes(kernel.asm["cubin"])))
         record["mma"] = _mma_shapes(kernel.asm["ptx"])
         if record not in records:
             records.append(record)
