@@ -138,6 +138,22 @@ def test_a_launch_keeps_no_call_s_tensor_alive(on_gpu):
     assert [s[0] for s in kernel.seen] == ["compiled", "jit"]
 
 
+def test_a_tensor_that_failed_a_recent_launch_s_key_is_never_taken_for_it(on_gpu):
+    """An unaligned view fails the aligned launch's key and compiles its own kernel; passed
+    again, it must reach that kernel, not the aligned one it was once compared with."""
+    kernel = _kernel()
+    x = torch.zeros(64, dtype=torch.uint8)
+    for _ in range(3):  # compiled, recorded as a recent launch, then held as passed again
+        launching.launch(kernel, (1,), x, 32, True, None, BLOCK=16)
+    unaligned = x[1:]
+    for _ in range(3):
+        launching.launch(kernel, (1,), unaligned, 32, True, None, BLOCK=16)
+    aligned_kernel, unaligned_kernel = launching._COMPILED.values()
+    assert [s[0] for s in kernel.seen] == ["jit", "compiled", "compiled", "jit", "compiled", "compiled"]
+    # The view's launches found its own kernel: it is a recent launch beside the aligned one.
+    assert [seen.compiled for seen in launching._RECENT[kernel]] == [unaligned_kernel, aligned_kernel]
+
+
 def test_a_tma_descriptor_is_keyed_by_its_tile_not_its_tensor(on_gpu):
     """The Gluon core's descriptors: a new tensor of another extent reuses the compiled
     kernel; another tile or dtype compiles again."""

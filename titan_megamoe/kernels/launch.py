@@ -132,16 +132,16 @@ class _RecentLaunch:
         held, key = self.held, self.key
         if len(values) != len(held):
             return False
+        # Only an argument keyed as this launch's is ever held: holding one is skipping its key.
         for i in compress(range(len(values)), map(is_not, values, held)):
             value, kept = values[i], held[i]
-            if type(kept) is weakref.ref:
-                if kept() is value:
-                    held[i] = value  # passed again: held from now on
-                    continue
-            elif type(value) is torch.Tensor:
-                held[i] = weakref.ref(value)  # this argument changes between launches
+            if type(kept) is weakref.ref and kept() is value:
+                held[i] = value  # passed again: held from now on
+                continue
             if _key_of(value, constexpr[i]) != key[i]:
                 return False
+            if type(value) is torch.Tensor and type(kept) is not weakref.ref:
+                held[i] = weakref.ref(value)  # this argument changes between launches
         return True
 
 
