@@ -84,11 +84,6 @@ def why_not(device: torch.device, dtype: torch.dtype, precision: Precision, *,
     return reason
 
 
-def can_run(device: torch.device, dtype: torch.dtype, precision: Precision, **facts) -> bool:
-    """Whether the fused backend runs these experts (``why_not`` is None)."""
-    return why_not(device, dtype, precision, **facts) is None
-
-
 def auto_unsupported_reason(
     device: torch.device, dtype: torch.dtype, precision: Precision, ep_within_node: bool
 ) -> str | None:
